@@ -189,10 +189,7 @@ def describe_server(name: str, srv: LlamaServer) -> ServerRow:
     if n_spec is None:
         verdict = "unknown: no /slots"
     elif n_spec and claims_none:
-        verdict = (
-            f"hidden: /props says speculative.types {types}; "
-            f"/slots says {n_spec}/{len(slots or [])} slots speculate"
-        )
+        verdict = f"hidden: /props says {types}, /slots says {n_spec}/{len(slots or [])} speculate"
     elif n_spec:
         verdict = "speculates (both agree)"
     else:

@@ -83,8 +83,12 @@ def server(audit_ctx: audit.AuditContext) -> Callable[[str], ServerHandle]:
         env = os.environ.get("SPECAUDIT_TEST_URL_" + name.upper().replace("-", "_"))
         if env:
             return ServerHandle(
-                name, env, spec.model, spec.speculative,
-                spec.spec_type if spec.speculative else None, external=True,
+                name,
+                env,
+                spec.model,
+                spec.speculative,
+                spec.spec_type if spec.speculative else None,
+                external=True,
             )
         srv = audit_ctx.server(name)
         return ServerHandle(name, srv.url, spec.model, spec.speculative, srv.spec_type)

@@ -8,7 +8,7 @@ import click
 from rich.markdown import Markdown
 
 from specaudit import audit, llama
-from specaudit.cli.common import build_progress, console, emit_json, json_option, out
+from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
 from specaudit.errors import EXIT_ERROR, EXIT_OK
 from specaudit.llama.build import LlamaBinaries
 
@@ -43,13 +43,13 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     and audit them: what /slots and /props say, placeholder logprobs, aggregates,
     sampling distributions, the proxy, and the patched server."""
 
+    # Build (or find) every binary first, with its own progress bar: one live display at a time.
+    prebuilt = {(): ensure_binaries(build)}
+    for p in llama.available_patches(build):
+        prebuilt[(p,)] = ensure_binaries(build, (p,))
+
     def ensure(b: int, patches: tuple[str, ...]) -> LlamaBinaries:
-        found = llama.find(b, patches)
-        if found is not None:
-            return found
-        label = f"llama.cpp b{b}" + (f" + {'+'.join(patches)}" if patches else "")
-        with build_progress(label) as cb:
-            return llama.ensure(b, patches, progress=cb)
+        return prebuilt.get(patches) or llama.ensure(b, patches)
 
     with console.status("auditing") as status:
         report = audit.run(
@@ -62,6 +62,11 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     if as_json:
         emit_json(audit.to_json(report))
     else:
-        out.print(Markdown(audit.to_markdown(report)))
+        md = audit.to_markdown(report)
+        # Rich's Markdown squeezes wide tables into 80 columns off a terminal: print it raw.
+        if out.is_terminal:
+            out.print(Markdown(md))
+        else:
+            click.echo(md)
         out.print(f"\nreport: {out_dir / 'report.md'}  {out_dir / 'report.json'}", highlight=False)
     raise SystemExit(EXIT_ERROR if report.errors else EXIT_OK)

@@ -1,0 +1,5 @@
+"""`python -m specaudit` = the `specaudit` command."""
+
+from specaudit.cli import main
+
+main()
