@@ -44,7 +44,7 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     sampling distributions, the proxy, and the patched server."""
 
     # Build (or find) every binary first, with its own progress bar: one live display at a time.
-    prebuilt = {(): ensure_binaries(build)}
+    prebuilt: dict[tuple[str, ...], LlamaBinaries] = {(): ensure_binaries(build)}
     for p in llama.available_patches(build):
         prebuilt[(p,)] = ensure_binaries(build, (p,))
 
