@@ -17,6 +17,7 @@ Schemas normalised:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -212,8 +213,20 @@ def from_stream(endpoint: str, events: Iterable[JSON], requested: int) -> list[T
         if isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
             out += from_entries(lp["content"], requested, start=len(out))
             continue
+        if isinstance(lp, dict) and isinstance(lp.get("tokens"), list) and lp["tokens"]:
+            # OpenAI legacy completions stream: one {tokens, token_logprobs, top_logprobs} per chunk
+            out += [
+                dataclasses.replace(r, index=len(out) + r.index)
+                for r in _legacy_completions(lp, requested)
+            ]
+            continue
         delta = ch.get("delta")
-        text: Any = delta.get("content") if isinstance(delta, dict) else ch.get("text")
+        # reasoning models stream their thinking tokens as reasoning_content
+        text: Any = (
+            (delta.get("content") or delta.get("reasoning_content"))
+            if isinstance(delta, dict)
+            else ch.get("text")
+        )
         if text:
             out.append(_missing(len(out), str(text), None, requested))
     return out

@@ -1,0 +1,290 @@
+"""`specaudit check` without llama-server: the whole pipeline over *replayed* real responses
+(tests/data/responses/check-*.json) for parsing, and small fake HTTP servers for the error
+paths, which run the real CLI in a subprocess (exit 2, one `error:` line, no traceback)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specaudit import check
+from specaudit.llama.server import free_port
+
+DATA = Path(__file__).parents[1] / "data" / "responses"
+CLI = Path(sys.executable).parent / "specaudit"
+
+Handler = Callable[[http.server.BaseHTTPRequestHandler, str, dict[str, Any] | None], None]
+
+
+def _serve(handler_cls: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _send(h: http.server.BaseHTTPRequestHandler, code: int, body: bytes, ctype: str) -> None:
+    h.send_response(code)
+    h.send_header("Content-Type", ctype)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
+def _replay_handler(
+    name: str, slots: bool = True, strip_logprobs: bool = False
+) -> type[http.server.BaseHTTPRequestHandler]:
+    """Answers like the recorded llama-server did (responses are real, only replayed)."""
+    rec = json.loads((DATA / f"check-{name}.json").read_text())
+    paths = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/slots" and slots:
+                _send(self, 200, json.dumps(rec["slots"]).encode(), "application/json")
+            elif self.path == "/props":
+                _send(self, 200, json.dumps(rec["props"]).encode(), "application/json")
+            else:
+                _send(
+                    self,
+                    404,
+                    b'{"error": {"code": 404, "message": "File Not Found"}}',
+                    "application/json",
+                )
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            kind = paths.get(self.path)
+            if self.path == "/completion":
+                kind = "native-post" if body.get("post_sampling_probs") else "native"
+            if kind is None or kind not in rec:
+                _send(
+                    self,
+                    404,
+                    b'{"error": {"code": 404, "message": "Not Found"}}',
+                    "application/json",
+                )
+                return
+            if body.get("stream"):
+                text = rec[kind]["stream_sse"]
+                if strip_logprobs:
+                    lines = []
+                    for ln in text.splitlines():
+                        if ln.startswith("data: {"):
+                            ev = json.loads(ln[6:])
+                            for ch in ev.get("choices", []):
+                                ch.pop("logprobs", None)
+                            ev.pop("completion_probabilities", None)
+                            ln = "data: " + json.dumps(ev)
+                        lines.append(ln)
+                    text = "\n".join(lines) + "\n"
+                _send(self, 200, text.encode(), "text/event-stream")
+                return
+            resp = json.loads(json.dumps(rec[kind]["response"]))
+            if strip_logprobs:
+                for ch in resp.get("choices", []):
+                    ch["logprobs"] = None
+                resp.pop("completion_probabilities", None)
+            _send(self, 200, json.dumps(resp).encode(), "application/json")
+
+    return H
+
+
+@pytest.fixture
+def replay(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from _serve(_replay_handler(**request.param))
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline over replayed real responses
+
+
+@pytest.mark.parametrize("replay", [{"name": "gemma-spec"}], indirect=True)
+def test_replayed_speculating_server(replay: str) -> None:
+    r = check.run(replay, prompt="Explain how a CPU branch predictor works.")
+    assert r.exit_code == 1 and r.verdict == "placeholders"
+    assert len(r.endpoints) == 8 and all(e.status == "ok" for e in r.endpoints)
+    assert r.placeholders_by_endpoint() == {
+        f"{k}{s}": 23 for k in check.PROBE_KINDS for s in ("", " (stream)")
+    }
+    assert all(e.real == 1 and e.first_real and e.total == 24 for e in r.endpoints)
+    sp = r.speculation
+    assert sp.state == "yes" and sp.hidden
+    assert "/props says speculative.types none; /slots says 2/2 slots speculate" in sp.summary
+    assert sp.request_types == "none,draft-simple"
+    assert sp.draft_n is not None and sp.draft_n > 0
+    assert r.switch is not None and r.switch.verdict == "ignored"  # replay ignores it too
+
+
+@pytest.mark.parametrize("replay", [{"name": "gemma-plain"}], indirect=True)
+def test_replayed_plain_server(replay: str) -> None:
+    r = check.run(replay)
+    assert r.exit_code == 0 and r.verdict == "real" and r.placeholders == 0
+    assert r.real == 8 * 24
+    assert r.speculation.state == "no" and not r.speculation.hidden
+    assert r.switch is None
+    assert all(e.draft_n is None for e in r.endpoints)
+
+
+@pytest.mark.parametrize("replay", [{"name": "fixture-spec", "slots": False}], indirect=True)
+def test_no_slots_means_unknown_but_logprobs_still_checked(replay: str) -> None:
+    r = check.run(replay, endpoint="chat", prompt="bcdbc", tokens=8)
+    assert r.exit_code == 1 and r.placeholders == 14
+    # drafted tokens in the timings still show it speculates
+    assert r.speculation.slots_total is None and r.speculation.state == "yes"
+    assert "no /slots endpoint" in r.speculation.summary
+
+
+@pytest.mark.parametrize(
+    "replay", [{"name": "fixture-plain", "slots": False, "strip_logprobs": True}], indirect=True
+)
+def test_server_that_ignores_logprobs_is_no_decision(replay: str) -> None:
+    with pytest.raises(check.CheckError, match="no logprobs"):
+        check.run(replay, prompt="bcdbc", tokens=8)
+
+
+@pytest.mark.parametrize("replay", [{"name": "gemma-ngram"}], indirect=True)
+def test_replayed_ngram_mixture(replay: str) -> None:
+    r = check.run(replay, endpoint="chat", temperature=0.0, tokens=48)
+    for e in r.endpoints:
+        assert (e.total, e.real, e.placeholder, e.server_tokens) == (48, 18, 30, 48)
+    assert r.exit_code == 1
+
+
+@pytest.mark.parametrize("replay", [{"name": "gemma-ngram"}], indirect=True)
+def test_absent_endpoints_are_listed_not_fatal(replay: str) -> None:
+    # the recording has only the chat endpoint: the others answer 404 like a non-llama server
+    r = check.run(replay, temperature=0.0, tokens=48, stream=True)
+    assert [e.status for e in r.endpoints] == ["ok", "absent", "absent", "absent"]
+    assert r.exit_code == 1
+    assert r.reason.endswith("; absent: /v1/completions, /completion")
+    # only streamed requests ran, so the switch probe sent its own non-streamed pair
+    assert r.switch is not None and r.switch.kind == "chat" and r.switch.verdict == "ignored"
+
+
+@pytest.mark.parametrize("replay", [{"name": "gemma-spec"}], indirect=True)
+def test_cli_json_over_replay(replay: str) -> None:
+    p = subprocess.run(
+        [str(CLI), "check", replay, "--endpoint", "completion", "--no-stream", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 1, p.stderr
+    body = json.loads(p.stdout)
+    assert body["verdict"] == "placeholders" and body["exit_code"] == 1
+    assert body["placeholders_by_endpoint"] == {"completions": 23, "native": 23, "native-post": 23}
+    tok = body["endpoints"][0]["tokens"][1]
+    assert tok["klass"] == "placeholder" and tok["logprob"] is None and tok["reported_logprob"] == 0
+
+
+def test_request_bodies() -> None:
+    s = check.CheckSettings(top_k=5, tokens=7, prompt="p", seed=3, temperature=0.5, model="m")
+    chat = check.request_body("chat", s)
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 5 and chat["max_tokens"] == 7
+    assert chat["messages"] == [{"role": "user", "content": "p"}] and chat["model"] == "m"
+    assert check.request_body("completions", s)["logprobs"] == 5
+    nat = check.request_body("native", s)
+    assert nat["n_probs"] == 5 and nat["n_predict"] == 7 and nat["post_sampling_probs"] is False
+    assert check.request_body("native-post", s)["post_sampling_probs"] is True
+    assert {"seed": 3, "temperature": 0.5}.items() <= nat.items()
+
+
+def test_bad_options_raise() -> None:
+    with pytest.raises(check.CheckError):
+        check.run("http://127.0.0.1:1", endpoint="nope")
+    with pytest.raises(check.CheckError):
+        check.run("http://127.0.0.1:1", top_k=0)
+    with pytest.raises(check.CheckError):
+        check.run("http://127.0.0.1:1", tokens=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# error paths through the real CLI
+
+
+def _cli_no_decision(url: str, *extra: str) -> str:
+    p = subprocess.run(
+        [str(CLI), "check", url, "--timeout", "10", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    return lines[0]
+
+
+def test_closed_port() -> None:
+    line = _cli_no_decision(f"http://127.0.0.1:{free_port()}")
+    assert "cannot connect" in line
+
+
+def test_server_answering_500() -> None:
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            _send(self, 500, b"internal error\nwith a second line", "text/plain")
+
+        do_POST = do_GET
+
+    for url in _serve(H):
+        line = _cli_no_decision(url)
+        assert "HTTP 500" in line
+
+
+def test_server_answering_non_json() -> None:
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            _send(self, 200, b"<html><body>hello</body></html>", "text/html")
+
+        do_POST = do_GET
+
+    for url in _serve(H):
+        line = _cli_no_decision(url)
+        assert "non-JSON" in line
+
+
+def test_plain_http_server_without_llm_endpoints(tmp_path: Path) -> None:
+    (tmp_path / "index.html").write_text("<html>just a web site</html>")
+
+    class H(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, directory=str(tmp_path), **kw)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    for url in _serve(H):
+        line = _cli_no_decision(url)
+        assert "not an LLM server" in line
+        # a single endpoint asked for, same answer
+        line = _cli_no_decision(url, "--endpoint", "chat")
+        assert "not an LLM server" in line
+
+
+def test_bad_option_is_exit_2_one_line() -> None:
+    _cli_no_decision("http://127.0.0.1:1", "--top-k", "0")
