@@ -1,0 +1,266 @@
+"""`specaudit dist`: does speculative decoding preserve the sampling distribution?"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from specaudit import dist, fixtures
+from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
+from specaudit.errors import EXIT_ERROR, EXIT_FINDING, EXIT_OK
+from specaudit.stats import Verdict
+
+DIST_EXIT_HELP = (
+    "\b\nExit codes:\n"
+    "  0  PRESERVED: every engine samples from the target distribution (within --tolerance)\n"
+    "  1  BROKEN: an engine's samples contradict the target distribution\n"
+    "  2  INCONCLUSIVE (more samples needed), or no decision: bad input, missing or corrupt\n"
+    "     fixture, unreachable server, failed build\n"
+    "  130 interrupted"
+)
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[dist.ProgressFn]:
+    """One bar per engine on a terminal; a line per 10% otherwise."""
+    if sys.stderr.isatty():
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as prog:
+            tasks: dict[str, Any] = {}
+
+            def cb(label: str, done: int, total: int) -> None:
+                if label not in tasks:
+                    tasks[label] = prog.add_task(label, total=total)
+                prog.update(tasks[label], completed=done)
+
+            yield cb
+    else:
+        last: dict[str, int] = {}
+
+        def cb(label: str, done: int, total: int) -> None:
+            step = max(total // 10, 1)
+            if done // step != last.get(label, -1) or done == total:
+                last[label] = done // step
+                print(f"[specaudit] dist {label}: {done}/{total}", file=sys.stderr)
+
+        yield cb
+
+
+def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Table:
+    t = Table(title=title, title_justify="left", show_lines=False)
+    for h in headers:
+        t.add_column(h, overflow="fold")
+    for r in rows:
+        t.add_row(*("-" if v is None else str(v) for v in r))
+    return t
+
+
+def render(res: dist.DistResult) -> None:
+    wl = res.workload
+    s = wl.sampler
+    out.print(
+        f"fixture {res.fixture} ({res.fixture_dir}), prompt {wl.prompt!r}, {wl.tokens} tokens "
+        f"per sample, positions 1-{wl.positions}"
+        + (f", joint 1-{wl.joint}" if wl.joint else "")
+        + f"; top-k {s.top_k}, top-p {s.top_p:g}, min-p {s.min_p:g}, temperature "
+        f"{s.temperature:g}; alpha {res.alpha:g}, TV tolerance {res.tolerance:g}"
+        + ("; sequential (anytime-valid)" if res.sequential else ""),
+        highlight=False,
+    )
+    out.print("expected = closed form from the fixture's definition", style="dim")
+    colours = {Verdict.PRESERVED: "green", Verdict.BROKEN: "red", Verdict.INCONCLUSIVE: "yellow"}
+    for e in res.engines:
+        out.print()
+        out.print(
+            f"[bold]{e.engine}[/bold]: [{colours[e.verdict]}]{e.verdict.value}[/] "
+            f"(seeds {e.first_seed}..{e.last_seed}, {e.n_samples} samples"
+            + (f", {dist.draft_cell(e)}" if e.drafted is not None else "")
+            + f", {e.samples_per_s:.0f} samples/s)",
+            highlight=False,
+        )
+        out.print(f"  {e.reason}", highlight=False)
+        out.print(
+            _table(
+                "observed (expected) per token, most likely context per position",
+                dist.CONTEXT_HEADERS,
+                dist.context_rows(e),
+            )
+        )
+        note = " (descriptive: the sample size was chosen sequentially)" if e.sequential else ""
+        out.print(_table("tests" + note, dist.TEST_HEADERS, dist.test_rows(e)))
+    out.print()
+    out.print(_table("summary", dist.SUMMARY_HEADERS, dist.summary_rows(res)))
+    if res.plot is not None:
+        out.print(f"plot: {res.plot}", highlight=False)
+
+
+@click.command("dist", epilog=DIST_EXIT_HELP)
+@click.option(
+    "--engine",
+    "engines",
+    type=click.Choice(dist.ENGINES),
+    multiple=True,
+    help="Engine(s) to test, repeatable [default: server and speculative-example]. server: "
+    "llama-server spawned on the fixture without and with a draft model; speculative-example: "
+    "llama.cpp's llama-speculative, one process per seed; url: a running server (--url).",
+)
+@click.option("--url", help="Base URL of a llama-server-compatible server (--engine url).")
+@click.option(
+    "--fixture",
+    "fixture_dir",
+    type=click.Path(path_type=Path),
+    help="Fixture directory from `specaudit fixtures build` (SHA-256 checked) "
+    "[default: the built-in fixture, built fresh].",
+)
+@click.option("--prompt", help="Prompt, in the fixture's letters [default: the fixture's].")
+@click.option(
+    "--tokens",
+    type=int,
+    default=dist.DEFAULT_TOKENS,
+    show_default=True,
+    help=f"Tokens generated per sample (at least {dist.MIN_TOKENS}, so the server drafts).",
+)
+@click.option("--positions", type=int, help="Positions tested, 1..N [default: --tokens].")
+@click.option(
+    "--joint", type=int, help="Test the joint distribution of the first N positions [default: 3]."
+)
+@click.option("--top-k", type=int, default=3, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--temperature", "--temp", type=float, default=1.0, show_default=True)
+@click.option(
+    "--seeds",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Samples per engine: seeds S..S+N-1 (the maximum with --sequential).",
+)
+@click.option("--seed-start", type=int, default=1, show_default=True, help="First seed S.")
+@click.option("--alpha", type=float, default=dist.DEFAULT_ALPHA, show_default=True)
+@click.option(
+    "--tolerance",
+    type=float,
+    default=dist.DEFAULT_TOLERANCE,
+    show_default=True,
+    help="PRESERVED needs the data to rule out a larger next-token TV distance at every position.",
+)
+@click.option(
+    "--sequential",
+    is_flag=True,
+    help="Stop as soon as the evidence is decisive (anytime-valid e-values); reports the "
+    "samples used.",
+)
+@click.option(
+    "--parallel", type=int, default=4, show_default=True, help="Slots (-np) of spawned servers."
+)
+@click.option("--concurrency", type=int, help="Requests in flight [default: 2 x slots].")
+@click.option("--jobs", type=int, help="Parallel llama-speculative processes [default: CPUs].")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG here.")
+@json_option
+def command(
+    engines: tuple[str, ...],
+    url: str | None,
+    fixture_dir: Path | None,
+    prompt: str | None,
+    tokens: int,
+    positions: int | None,
+    joint: int | None,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    temperature: float,
+    seeds: int,
+    seed_start: int,
+    alpha: float,
+    tolerance: float,
+    sequential: bool,
+    parallel: int,
+    concurrency: int | None,
+    jobs: int | None,
+    plot: Path | None,
+    as_json: bool,
+) -> None:
+    """Prove whether speculative decoding preserves the sampling distribution.
+
+    Samples seeds 1..N from each engine running a fixture model and tests the tokens against
+    the distribution the fixture's definition implies (closed form, never the engine's word):
+    every position conditionally on its prefix, and the joint of the first positions, with
+    G-tests (exact or Monte-Carlo when counts are small), Holm correction, and TV distances
+    with confidence intervals. Reproduces the field report: llama-server keeps the
+    distribution with and without a draft; llama-speculative does not.
+    """
+    if engines == ():
+        engines = ("url",) if url else ("server", "speculative-example")
+    if (
+        parallel < 1
+        or (concurrency is not None and concurrency < 1)
+        or (jobs is not None and jobs < 1)
+    ):
+        raise dist.DistError("--parallel, --concurrency and --jobs must be at least 1")
+    sampler = fixtures.SamplerSettings(
+        top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature
+    )
+    # Check every input first (a bad one must not wait for a build), then provision the
+    # binaries with their own progress bar (one live display at a time), then sample.
+    fs, _ = dist.validate(
+        engines,
+        fixture=fixture_dir,
+        url=url,
+        prompt=prompt,
+        tokens=tokens,
+        positions=positions,
+        joint=joint,
+        sampler=sampler,
+        seeds=seeds,
+        alpha=alpha,
+        tolerance=tolerance,
+    )
+    bins = ensure_binaries() if dist.needs_binaries(engines) else None
+    with _progress() as cb:
+        res = dist.run(
+            engines,
+            fixture=fs,
+            url=url,
+            prompt=prompt,
+            tokens=tokens,
+            positions=positions,
+            joint=joint,
+            sampler=sampler,
+            seeds=seeds,
+            seed_start=seed_start,
+            alpha=alpha,
+            tolerance=tolerance,
+            sequential=sequential,
+            parallel=parallel,
+            concurrency=concurrency,
+            jobs=jobs,
+            binaries=bins,
+            plot=plot,
+            progress=cb,
+        )
+    if as_json:
+        emit_json(res)
+    elif out.is_terminal:
+        render(res)
+    else:
+        # Off a terminal rich would squeeze the tables into 80 columns: print Markdown.
+        click.echo(dist.to_markdown(res))
+        if res.plot is not None:
+            click.echo(f"\nplot: {res.plot}")
+    v = res.verdict
+    raise SystemExit(
+        EXIT_FINDING if v is Verdict.BROKEN else EXIT_OK if v is Verdict.PRESERVED else EXIT_ERROR
+    )

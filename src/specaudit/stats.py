@@ -1,0 +1,488 @@
+"""The statistics behind `specaudit dist`: does an engine sample from a known distribution?
+
+Why these choices:
+
+- **Goodness of fit** is a likelihood-ratio (G) test. The asymptotic chi-square reference is
+  only trusted when every expected cell count is at least 5 (with Williams' correction, which
+  keeps the G-test honest at moderate counts). Below that the p-value comes from the exact
+  multinomial distribution when it can be enumerated, otherwise from a Monte-Carlo simulation
+  of the same statistic under the null, so small counts never get an asymptotic p-value they
+  have not earned. Pooling sparse cells is offered as an explicit method.
+- **Strata**: later positions are tested conditionally on what came before. Each conditioning
+  context is a stratum with its own expected distribution; under the null the strata are
+  independent multinomials given their sizes, so their G statistics add up (and so do their
+  degrees of freedom, or their simulated nulls).
+- **Impossible outcomes**: a token whose true probability is exactly zero cannot be sampled by a
+  correct engine, whatever the sample size. Observing one gives p = 0 and a BROKEN verdict with
+  certainty; no asymptotics involved.
+- **Effect size**: the total-variation distance with a simultaneous confidence interval built
+  from per-cell Clopper-Pearson bounds (Bonferroni over cells): the interval covers every
+  distribution consistent with those bounds, so it is conservative and valid for any n.
+- **Verdicts**: BROKEN when a Holm-corrected test rejects at alpha; PRESERVED only when nothing
+  rejects *and* the data rule out a TV above a stated tolerance (an equivalence statement: absence
+  of evidence is not evidence of absence); otherwise INCONCLUSIVE.
+- **Sequential**: an e-process (a product of predictive likelihood ratios, with a Dirichlet
+  mixture as the alternative) is a test martingale under the null, so by Ville's inequality
+  stopping the first time it exceeds 1/alpha keeps the false-alarm rate at most alpha however
+  often one looks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from scipy import optimize, special
+from scipy import stats as st
+
+__all__ = [
+    "EProcess",
+    "GofResult",
+    "TvInterval",
+    "Verdict",
+    "alpha_spending",
+    "clopper_pearson",
+    "decide",
+    "g_statistic",
+    "holm",
+    "multinomial_gof",
+    "pool_sparse",
+    "stratified_gof",
+    "tv_distance",
+    "tv_interval",
+]
+
+METHODS = ("auto", "g-test", "pooled", "exact", "monte-carlo")
+MIN_EXPECTED = 5.0
+EXACT_LIMIT = 200_000  # largest number of outcomes the exact test enumerates
+MC_DRAWS = 10_000  # p-value resolution 1e-4: enough for alpha >= 1e-3
+_PROB_TOL = 1e-9
+# Smallest positive float: a p-value that underflowed is tiny, not zero. Zero is reserved for
+# outcomes that are impossible under the null (certainty, not strong evidence).
+TINY_P = 5e-324
+
+
+class Verdict(StrEnum):
+    PRESERVED = "PRESERVED"
+    BROKEN = "BROKEN"
+    INCONCLUSIVE = "INCONCLUSIVE"
+
+
+@dataclass(frozen=True)
+class GofResult:
+    """One goodness-of-fit test (possibly over several strata)."""
+
+    statistic: float  # G summed over strata (Williams-corrected for "g-test"); inf if impossible
+    df: int
+    p_value: float
+    method: str  # "g-test", "pooled", "exact", "monte-carlo", "impossible", "trivial"
+    n: int  # observations
+    n_strata: int  # strata that carried information (n > 0 and more than one possible outcome)
+    min_expected: float  # smallest expected cell count among the tested cells
+    impossible: int = 0  # observations of zero-probability outcomes
+
+
+@dataclass(frozen=True)
+class TvInterval:
+    """Total-variation distance between the engine's and the true distribution."""
+
+    estimate: float
+    lower: float
+    upper: float
+    confidence: float  # e.g. 0.99: simultaneous over all cells involved
+
+
+# ---------------------------------------------------------------------------------------------
+# goodness of fit
+
+
+def g_statistic(
+    observed: Sequence[float] | np.ndarray, expected: Sequence[float] | np.ndarray
+) -> float:
+    """G = 2 * sum o * ln(o / e) over cells with o > 0 (expected counts, not probabilities)."""
+    o = np.asarray(observed, dtype=float)
+    e = np.asarray(expected, dtype=float)
+    m = o > 0
+    if np.any(e[m] <= 0):
+        return math.inf
+    return float(2.0 * np.sum(o[m] * np.log(o[m] / e[m])))
+
+
+def _g_rows(obs: np.ndarray, logp: np.ndarray, n: int) -> np.ndarray:
+    """G for each row of a count matrix against log-probabilities `logp` (all > -inf)."""
+    o = obs.astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(o > 0, o * (np.log(o) - logp - math.log(n)), 0.0)
+    return np.asarray(2.0 * terms.sum(axis=-1))
+
+
+def _williams(n: int, k: int) -> float:
+    return 1.0 + (k * k - 1.0) / (6.0 * n * (k - 1.0)) if k > 1 and n > 0 else 1.0
+
+
+def pool_sparse(
+    observed: Sequence[int] | np.ndarray,
+    probs: Sequence[float] | np.ndarray,
+    min_expected: float = MIN_EXPECTED,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the sparsest cells until every expected count reaches `min_expected`.
+
+    Cells are merged smallest-expected first into one pool; if the pool is still too small it
+    absorbs the next smallest cell. Returns (observed, probs) of the pooled cells (possibly a
+    single cell, which then carries no information).
+    """
+    oa = np.asarray(observed, dtype=float)
+    pa = np.asarray(probs, dtype=float)
+    n = float(oa.sum())
+    order = np.argsort(pa * n, kind="stable")
+    o: list[float] = [float(x) for x in oa[order]]
+    p: list[float] = [float(x) for x in pa[order]]
+    while len(p) > 1 and p[0] * n < min_expected:
+        o = [o[0] + o[1], *o[2:]]
+        p = [p[0] + p[1], *p[2:]]
+        # keep the pool at the front while it is the sparsest cell
+        idx = sorted(range(len(p)), key=lambda i: p[i])
+        o, p = [o[i] for i in idx], [p[i] for i in idx]
+    return np.asarray(o), np.asarray(p)
+
+
+def _compositions(n: int, k: int) -> np.ndarray:
+    """Every vector of k non-negative integers summing to n (stars and bars), as rows."""
+    if k == 1:
+        return np.array([[n]])
+    bars = np.array(list(itertools.combinations(range(n + k - 1), k - 1)), dtype=np.int64)
+    padded = np.hstack([np.full((len(bars), 1), -1), bars, np.full((len(bars), 1), n + k - 1)])
+    return np.diff(padded, axis=1) - 1
+
+
+def _exact_pvalue(obs: np.ndarray, p: np.ndarray) -> float:
+    """Exact multinomial test: P(G >= G_obs) summed over every possible outcome."""
+    n, k = int(obs.sum()), len(obs)
+    xs = _compositions(n, k)
+    logp = np.log(p)
+    g_all = _g_rows(xs, logp, n)
+    g_obs = float(_g_rows(obs[None, :], logp, n)[0])
+    logpmf = special.gammaln(n + 1) - special.gammaln(xs + 1).sum(axis=1) + (xs * logp).sum(axis=1)
+    tol = 1e-9 * max(1.0, abs(g_obs))
+    return float(min(1.0, np.exp(logpmf[g_all >= g_obs - tol]).sum()))
+
+
+def _normalise(
+    observed: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    o = np.asarray(observed, dtype=np.int64)
+    p = np.asarray(probs, dtype=float)
+    if o.shape != p.shape or o.ndim != 1:
+        raise ValueError("observed and probs must be 1-D arrays of the same length")
+    if np.any(o < 0) or np.any(p < 0):
+        raise ValueError("counts and probabilities must be non-negative")
+    s = p.sum()
+    if not abs(s - 1.0) <= 1e-6:
+        raise ValueError(f"probabilities sum to {s}, not 1")
+    return o, p / s
+
+
+def stratified_gof(
+    strata: Sequence[tuple[Sequence[int] | np.ndarray, Sequence[float] | np.ndarray]],
+    method: str = "auto",
+    *,
+    min_expected: float = MIN_EXPECTED,
+    exact_limit: int = EXACT_LIMIT,
+    mc_draws: int = MC_DRAWS,
+    seed: int = 0,
+) -> GofResult:
+    """G-test of several independent multinomials, each against its own known distribution.
+
+    `strata` is a list of (observed counts, true probabilities) over the same or different
+    cells. `method`: "auto" (asymptotic if every expected count >= `min_expected`, else exact
+    for one enumerable stratum, else Monte-Carlo), or force "g-test", "pooled", "exact",
+    "monte-carlo". Monte-Carlo uses a fixed `seed`, so results are reproducible.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
+    cleaned: list[tuple[np.ndarray, np.ndarray]] = []
+    n_total = 0
+    impossible = 0
+    df_all = 0
+    for observed, probs in strata:
+        o, p = _normalise(observed, probs)
+        n_total += int(o.sum())
+        zero = p <= 0
+        impossible += int(o[zero].sum())
+        o, p = o[~zero], p[~zero]
+        df_all += max(len(p) - 1, 0)
+        if o.sum() > 0 and len(p) > 1:
+            cleaned.append((o, p))
+    if impossible:
+        return GofResult(
+            math.inf, df_all, 0.0, "impossible", n_total, len(cleaned), 0.0, impossible
+        )
+    if not cleaned:
+        return GofResult(0.0, 0, 1.0, "trivial", n_total, 0, math.inf)
+    df = sum(len(p) - 1 for _, p in cleaned)
+    min_e = min(float((o.sum() * p).min()) for o, p in cleaned)
+    n_used = int(sum(o.sum() for o, _ in cleaned))
+
+    if method == "auto":
+        if min_e >= min_expected:
+            method = "g-test"
+        elif len(cleaned) == 1 and _n_outcomes(cleaned[0]) <= exact_limit:
+            method = "exact"
+        else:
+            method = "monte-carlo"
+
+    if method in ("g-test", "pooled"):
+        g = 0.0
+        df = 0
+        me = math.inf
+        for o, p in cleaned:
+            if method == "pooled":
+                o2, p2 = pool_sparse(o, p, min_expected)
+            else:
+                o2, p2 = o.astype(float), p
+            k = len(p2)
+            if k < 2:
+                continue
+            n = float(o2.sum())
+            g += g_statistic(o2, n * p2) / _williams(int(n), k)
+            df += k - 1
+            me = min(me, float((n * p2).min()))
+        if df == 0:
+            return GofResult(0.0, 0, 1.0, "trivial", n_total, 0, me)
+        p_value = max(float(st.chi2.sf(g, df)), TINY_P)
+        return GofResult(g, df, p_value, method, n_used, len(cleaned), me)
+
+    if method == "exact":
+        if len(cleaned) != 1:
+            raise ValueError("the exact test takes a single stratum")
+        o, p = cleaned[0]
+        if _n_outcomes((o, p)) > exact_limit:
+            raise ValueError("too many outcomes to enumerate; use monte-carlo")
+        g = g_statistic(o, o.sum() * p)
+        return GofResult(g, df, _exact_pvalue(o, p), "exact", n_used, 1, min_e)
+
+    # Monte-Carlo: simulate the summed G statistic under the null.
+    rng = np.random.default_rng(seed)
+    g_obs = 0.0
+    sims = np.zeros(mc_draws)
+    for o, p in cleaned:
+        n = int(o.sum())
+        logp = np.log(p)
+        g_obs += float(_g_rows(o[None, :], logp, n)[0])
+        sims += _g_rows(rng.multinomial(n, p, size=mc_draws), logp, n)
+    tol = 1e-9 * max(1.0, abs(g_obs))
+    hits = int(np.count_nonzero(sims >= g_obs - tol))
+    p_value = (1 + hits) / (mc_draws + 1)
+    if hits == 0:
+        # Beyond every simulation: the simulated p-value is only a floor. The method of types
+        # bounds the tail exactly: P(G/2 >= t) <= (number of possible count vectors) * e^-t.
+        # Using it only when no simulation reached G keeps the p-value valid at every level.
+        p_value = max(min(p_value, _types_bound(g_obs, cleaned)), TINY_P)
+    return GofResult(g_obs, df, p_value, "monte-carlo", n_used, len(cleaned), min_e)
+
+
+def _types_bound(g: float, strata: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Exact (non-asymptotic) upper bound on P(sum of G >= g) under the null.
+
+    G/2 = n KL(empirical || p), and P(empirical = type) <= exp(-n KL), so
+    E[exp(G/2)] <= number of types; independent strata multiply; Markov does the rest.
+    """
+    log_types = sum(
+        math.lgamma(int(o.sum()) + len(p)) - math.lgamma(int(o.sum()) + 1) - math.lgamma(len(p))
+        for o, p in strata
+    )
+    return float(min(1.0, math.exp(min(0.0, log_types - g / 2.0))))
+
+
+def _n_outcomes(stratum: tuple[np.ndarray, np.ndarray]) -> int:
+    o, p = stratum
+    return math.comb(int(o.sum()) + len(p) - 1, len(p) - 1)
+
+
+def multinomial_gof(
+    observed: Sequence[int] | np.ndarray,
+    probs: Sequence[float] | np.ndarray,
+    method: str = "auto",
+    **kw: int | float,
+) -> GofResult:
+    """Goodness of fit of one sample of counts against known probabilities (see stratified_gof)."""
+    return stratified_gof([(observed, probs)], method, **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# total variation
+
+
+def tv_distance(q: Sequence[float] | np.ndarray, p: Sequence[float] | np.ndarray) -> float:
+    return float(0.5 * np.abs(np.asarray(q, dtype=float) - np.asarray(p, dtype=float)).sum())
+
+
+def clopper_pearson(k: int | np.ndarray, n: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """Exact two-sided (1 - alpha) binomial interval(s) for k successes out of n."""
+    kk = np.asarray(k, dtype=float)
+    if n <= 0:
+        return np.zeros_like(kk), np.ones_like(kk)
+    with np.errstate(invalid="ignore"):
+        lo = np.where(kk > 0, st.beta.ppf(alpha / 2, kk, n - kk + 1), 0.0)
+        hi = np.where(kk < n, st.beta.ppf(1 - alpha / 2, kk + 1, n - kk), 1.0)
+    return np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
+
+
+def _tv_bounds(lo: np.ndarray, hi: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    """Smallest and largest TV(q, p) over q in the box [lo, hi] intersected with the simplex."""
+    k = len(p)
+    lo = np.minimum(lo, hi)
+    # min: TV = sum (q - p)^+ = sum (p - q)^+ >= max(sum (lo - p)^+, sum (p - hi)^+), and that
+    # bound is attained (the cells whose interval contains p absorb the difference).
+    low = max(float(np.clip(lo - p, 0, None).sum()), float(np.clip(p - hi, 0, None).sum()))
+    # max: TV = max_S q(S) - p(S), and max q(S) = min(hi(S), 1 - lo(S^c)), so
+    # TV_max = max_S min(sum_S (hi - p), sum_{S^c} (p - lo)). Exact by enumeration for small k,
+    # else its LP relaxation (x in [0, 1]), which can only overstate it (conservative).
+    a = hi - p
+    b = p - lo
+    if k <= 16:
+        masks = ((np.arange(1 << k)[:, None] >> np.arange(k)) & 1).astype(bool)
+        up = float(np.max(np.minimum(masks @ a, (~masks) @ b)))
+    else:
+        # maximise t s.t. t <= a.x, t <= b.(1 - x), 0 <= x <= 1
+        c2 = np.concatenate([np.zeros(k), [-1.0]])
+        a_ub2 = np.vstack([np.concatenate([-a, [1.0]]), np.concatenate([b, [1.0]])])
+        res2 = optimize.linprog(
+            c2,
+            A_ub=a_ub2,
+            b_ub=[0.0, float(b.sum())],
+            bounds=[(0, 1)] * k + [(None, None)],
+            method="highs",
+        )
+        up = float(-res2.fun) if res2.status == 0 else 1.0
+    return max(0.0, low), float(min(1.0, max(up, low)))
+
+
+def _pool_forbidden(o: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge all zero-probability cells into one: TV is unchanged (|q_j - 0| adds up), and the
+    confidence box needs one cell less per forbidden token."""
+    zero = p <= 0
+    if zero.sum() <= 1:
+        return o, p
+    return np.append(o[~zero], o[zero].sum()), np.append(p[~zero], 0.0)
+
+
+def tv_interval(
+    counts: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray, alpha: float
+) -> TvInterval:
+    """TV between the empirical and true distribution, with a (1 - alpha) confidence interval.
+
+    Two valid intervals, each at alpha / 2, intersected (so the result keeps 1 - alpha):
+    - a box: every cell gets a Clopper-Pearson interval at alpha / (2k), and the TV interval
+      spans every distribution inside it (tight when there are few cells);
+    - a uniform one: TV(q, q_hat) = max over cell subsets S of q_hat(S) - q(S), each a binomial
+      mean, so Hoeffding plus a union bound over the 2^k - 2 subsets gives
+      |TV_hat - TV| <= sqrt(ln((2^k - 2) / (alpha / 2)) / (2n)) (better with many cells).
+    Zero-probability cells are pooled into one (TV is unchanged, an engine may put mass there).
+    Valid for any n: conservative rather than asymptotic.
+    """
+    o, p = _pool_forbidden(*_normalise(counts, probs))
+    n = int(o.sum())
+    if n == 0:
+        return TvInterval(math.nan, 0.0, 1.0, 1 - alpha)
+    k = len(p)
+    est = tv_distance(o / n, p)
+    lo, hi = clopper_pearson(o, n, alpha / (2 * k))
+    low, up = _tv_bounds(lo, hi, p)
+    if k >= 2:
+        eps = math.sqrt(math.log(max(2**k - 2, 1) / (alpha / 2)) / (2 * n))
+        low, up = max(low, est - eps), min(up, est + eps)
+    return TvInterval(est, max(0.0, low), min(1.0, max(up, low)), 1 - alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple testing and verdicts
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (controls the family-wise error rate)."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adj = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adj[i] = running
+    return adj
+
+
+def decide(
+    adjusted_pvalues: Sequence[float],
+    alpha: float,
+    tv_uppers: Sequence[float],
+    tolerance: float,
+    impossible: bool = False,
+) -> Verdict:
+    """BROKEN if anything rejects (or an impossible outcome was seen); PRESERVED only if
+    nothing rejects and every TV upper bound is within `tolerance`; else INCONCLUSIVE."""
+    if impossible or any(p < alpha for p in adjusted_pvalues):
+        return Verdict.BROKEN
+    if tv_uppers and all(u <= tolerance for u in tv_uppers):
+        return Verdict.PRESERVED
+    return Verdict.INCONCLUSIVE
+
+
+def alpha_spending(look: int, alpha: float) -> float:
+    """Error budget of the `look`-th (1-based) interim analysis: sums to alpha over all looks."""
+    return alpha * 6.0 / (math.pi**2 * look * look)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequential, anytime-valid
+
+
+class EProcess:
+    """Test martingale for "every token is drawn from its known conditional distribution".
+
+    For each observed token x in context c, the e-value is multiplied by q_c(x) / p_c(x), where
+    p_c is the null (true) distribution and q_c the predictive of a Dirichlet mixture fitted to
+    the tokens seen so far in that context (Krichevsky-Trofimov on the null's support; a small
+    prior mass on tokens the null forbids, so one such token makes the e-value infinite).
+    Under the null E[q/p] = 1 at every step, hence P(sup E >= 1/alpha) <= alpha (Ville).
+    """
+
+    def __init__(self, prior: float = 0.5, off_support_prior: float = 0.1) -> None:
+        self.prior = prior
+        self.off_support_prior = off_support_prior
+        self.log_e = 0.0
+        self.steps = 0
+        self.impossible = 0
+        self._counts: dict[Hashable, np.ndarray] = {}
+
+    def update(
+        self, context: Hashable, probs: Sequence[float] | np.ndarray, observed: int
+    ) -> float:
+        """Account for one token; returns the log e-value so far."""
+        p = np.asarray(probs, dtype=float)
+        counts = self._counts.get(context)
+        if counts is None:
+            counts = np.zeros(len(p))
+            self._counts[context] = counts
+        support = p > 0
+        n_off = int((~support).sum())
+        prior = np.where(support, self.prior, self.off_support_prior / max(n_off, 1))
+        q = (counts + prior) / (counts.sum() + prior.sum())
+        self.steps += 1
+        if p[observed] <= 0:
+            self.impossible += 1
+            self.log_e = math.inf
+        elif math.isfinite(self.log_e):
+            self.log_e += math.log(q[observed]) - math.log(p[observed])
+        counts[observed] += 1
+        return self.log_e
+
+    @property
+    def e_value(self) -> float:
+        return math.exp(self.log_e) if self.log_e < 700 else math.inf
+
+    def rejects(self, alpha: float) -> bool:
+        return self.log_e >= math.log(1.0 / alpha)

@@ -1,0 +1,298 @@
+"""`specaudit dist` without a server: ground truth, analysis, verdicts, parsing, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specaudit import dist, fixtures
+from specaudit.cli import main
+from specaudit.stats import Verdict
+
+DATA = Path(__file__).parent.parent / "data" / "dist"
+SPEC = fixtures.default_spec()
+WL = dist.make_workload(SPEC)
+
+
+def draw(spec: fixtures.FixtureSpec, wl: dist.Workload, n: int, seed: int, bend=None):  # type: ignore[no-untyped-def]
+    """Samples drawn from the closed form itself (optionally bent by `bend(prefix, p)`)."""
+    truth = dist.Truth(spec, wl)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        text = ""
+        for _ in range(wl.tokens):
+            p = truth.next(text)
+            if bend is not None:
+                p = bend(text, p)
+            text += truth.labels[int(rng.choice(len(p), p=p))]
+        out.append(dist.Sample(i + 1, text))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# ground truth
+
+
+def test_truth_is_the_closed_form_of_the_report() -> None:
+    truth = dist.Truth(SPEC, WL)
+    after_f = dict(zip(truth.labels, truth.next("f"), strict=True))
+    assert after_f["e"] == pytest.approx(0.345, abs=1e-6)
+    assert after_f["g"] == pytest.approx(0.452, abs=1e-6)
+    assert after_f["h"] == pytest.approx(0.203, abs=1e-6)
+    assert truth.most_likely_prefix(1) == "f"
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_marginals_agree_with_the_joint(t: int) -> None:
+    truth = dist.Truth(SPEC, WL)
+    joint = fixtures.sequence_distribution(SPEC, WL.prompt, t, WL.sampler)
+    want = np.zeros(len(truth.labels))
+    for seq, p in joint.items():
+        want[truth.index[seq[-1]]] += p
+    assert truth.marginal(t) == pytest.approx(want, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# analysis
+
+
+def test_samples_from_the_target_are_preserved() -> None:
+    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="closed form")
+    assert res.verdict is Verdict.PRESERVED, res.reason
+    assert [t.name for t in res.tests] == [
+        "position 1", "position 2", "position 3", "position 4", "joint 1-3",
+    ]  # fmt: skip
+    assert all(not t.rejected for t in res.tests)
+    assert [c.position for c in res.headline] == [1, 2, 3]
+    assert res.headline[1].label == "bcdbc+f"
+
+
+def test_too_few_samples_are_inconclusive() -> None:
+    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2))
+    assert res.verdict is Verdict.INCONCLUSIVE, res.reason
+    assert "more samples" in res.reason
+
+
+def _always_e_after_f(prefix: str, p: np.ndarray) -> np.ndarray:
+    """The report's llama-speculative: after f it always picks e."""
+    if prefix.endswith("f"):
+        q = np.zeros_like(p)
+        q[SPEC.tokens.index("e")] = 1.0
+        return q
+    return p
+
+
+def test_the_example_programs_bias_is_broken() -> None:
+    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+    assert res.verdict is Verdict.BROKEN
+    pos2 = res.tests[1]
+    assert pos2.rejected and pos2.gof.p_value < 1e-30
+    row = {r.token: r for r in res.headline[1].tokens}
+    assert row["e"].frequency == 1.0 and row["g"].observed == 0
+
+
+def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
+    samples = draw(SPEC, WL, 5, seed=4)
+    # 'a' has probability 0 as the first token after bcdbc (top-k 3 keeps d, e, f)
+    samples[0] = dist.Sample(samples[0].seed, "a" + samples[0].text[1:])
+    res = dist.analyze(SPEC, WL, samples, alpha=1e-9)
+    assert res.verdict is Verdict.BROKEN
+    assert res.impossible == 1
+    assert "probability 0" in res.reason
+
+
+def test_drafted_and_accepted_are_summed() -> None:
+    s = [dist.Sample(i, t.text, 3, 1) for i, t in enumerate(draw(SPEC, WL, 20, seed=5))]
+    res = dist.analyze(SPEC, WL, s)
+    assert (res.drafted, res.accepted) == (60, 20)
+
+
+def test_text_that_is_not_the_fixture_is_an_error() -> None:
+    with pytest.raises(dist.DistError, match="not 4 letters"):
+        dist.analyze(SPEC, WL, [dist.Sample(1, "Hello")])
+
+
+def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None:
+    truth = dist.Truth(SPEC, WL)
+    seq = dist._Sequential(truth, WL, 1e-3, 0.15, 1000)
+    n = 0
+    for s in draw(SPEC, WL, 1000, seed=6, bend=_always_e_after_f):
+        n += 1
+        if seq.add(s):
+            break
+    assert seq.verdict is Verdict.BROKEN and seq.decided_by == "e-value"
+    assert n <= 50
+    seq = dist._Sequential(truth, WL, 0.01, 0.15, 3000)
+    for s in draw(SPEC, WL, 3000, seed=7):
+        if seq.add(s):
+            break
+    assert seq.verdict is Verdict.PRESERVED and seq.decided_by == "tv-bound"
+    assert seq.looks >= 1
+
+
+def test_markdown_and_plot(tmp_path: Path) -> None:
+    good = dist.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=8), engine="good")
+    bad = dist.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=9, bend=_always_e_after_f), engine="bad")
+    res = dist.DistResult(
+        "x", tmp_path, {}, WL, 0.01, 0.15, False, [good, bad]
+    )  # fmt: skip
+    md = dist.to_markdown(res)
+    assert "| good |" in md and "BROKEN" in md and "bcdbc+f" in md
+    png = dist.plot_results(res, tmp_path / "d.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------------------
+# llama-speculative output (recorded from the real binary, seed 9)
+
+
+def test_parse_example_output_recorded() -> None:
+    out = (DATA / "llama-speculative-seed9.stdout").read_text()
+    err = (DATA / "llama-speculative-seed9.stderr").read_text()
+    assert dist.parse_example_output(out, err, "bcdbc") == ("fhabcf", 6, 3)
+
+
+def test_parse_example_output_detects_lost_tails() -> None:
+    out = (DATA / "llama-speculative-seed9.stdout").read_text()
+    err = (DATA / "llama-speculative-seed9.stderr").read_text()
+    # llama.cpp's async logger can drop the tail at exit: any truncation is incomplete
+    assert dist.parse_example_output(out[:-1], err, "bcdbc") is None
+    assert dist.parse_example_output("\n\nbcdbcf", err, "bcdbc") is None
+    assert dist.parse_example_output(out, err.split("n_drafted")[0], "bcdbc") is None
+    assert dist.parse_example_output(out, err, "dcb") is None
+
+
+def test_example_engine_needs_its_binary(tmp_path: Path) -> None:
+    with pytest.raises(dist.DistError, match="not found"):
+        dist.ExampleEngine(tmp_path / "nope", tmp_path, tmp_path, SPEC, WL)
+
+
+# --------------------------------------------------------------------------------------------
+# driving: an engine error stops everything (error path)
+
+
+class _FailingEngine:
+    label = "failing"
+    kind = "url"
+    concurrency = 3
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def sample(self, seed: int) -> dist.Sample:
+        await asyncio.sleep(0.001 * (seed % 3))
+        if seed == 5:
+            raise dist.DistError("server went away")
+        return dist.Sample(seed, "fegh")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_engine_errors_propagate_and_close_the_engine() -> None:
+    eng = _FailingEngine()
+    with pytest.raises(dist.DistError, match="went away"):
+        dist.measure(eng, SPEC, WL, range(1, 50))
+    assert eng.closed
+
+
+# --------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"tokens": 0}, "--tokens must be at least 3"),
+        ({"tokens": 2}, "--tokens must be at least 3"),
+        ({"positions": 5}, "--positions"),
+        ({"joint": 5}, "--joint"),
+        ({"prompt": "xyz"}, "--prompt"),
+        ({"prompt": ""}, "--prompt"),
+        ({"sampler": fixtures.SamplerSettings(top_k=3, top_p=0.0)}, "sampler settings"),
+        ({"sampler": fixtures.SamplerSettings(temperature=-1.0)}, "--temperature"),
+    ],
+)
+def test_bad_workloads(kw: dict, msg: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(dist.DistError, match=msg):
+        dist.make_workload(SPEC, **kw)
+
+
+def test_bad_engines_and_numbers(tmp_path: Path) -> None:
+    fs = fixtures.build(tmp_path / "fx")
+    with pytest.raises(dist.DistError, match="unknown engine"):
+        dist.validate(["vllm"], fixture=fs)
+    with pytest.raises(dist.DistError, match="needs --url"):
+        dist.validate(["url"], fixture=fs)
+    with pytest.raises(dist.DistError, match="--seeds"):
+        dist.validate(["server"], fixture=fs, seeds=0)
+    with pytest.raises(dist.DistError, match="--alpha"):
+        dist.validate(["server"], fixture=fs, alpha=0)
+
+
+def test_missing_and_corrupt_fixtures(tmp_path: Path) -> None:
+    with pytest.raises(dist.DistError, match="missing"):
+        dist.load_fixture(tmp_path / "nothing")
+    fs = fixtures.build(tmp_path / "fx")
+    data = bytearray(fs.target.read_bytes())
+    data[-1] ^= 0xFF
+    fs.target.write_bytes(bytes(data))
+    with pytest.raises(dist.DistError, match="SHA-256 mismatch"):
+        dist.load_fixture(fs.dir)
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["dist", *args])
+    return int(exc.value.code or 0), capsys.readouterr().err
+
+
+def test_cli_bad_input_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fs = fixtures.build(tmp_path / "fx")
+    data = bytearray(fs.draft.read_bytes())
+    data[len(data) // 2] ^= 0x55  # same size, other bytes: only the SHA-256 can tell
+    fs.draft.write_bytes(bytes(data))
+    cases = {
+        ("--tokens", "0"): "--tokens must be at least 3",
+        ("--engine", "nonsense"): "'nonsense' is not one of",
+        ("--fixture", str(tmp_path / "missing")): "missing",
+        ("--fixture", str(fs.dir)): "SHA-256 mismatch",
+        ("--engine", "url"): "needs --url",
+    }
+    for args, msg in cases.items():
+        code, err = _cli(list(args), capsys)
+        assert code == 2, args
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, err)
+        assert msg in lines[0]
+
+
+def test_cli_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["dist", "--help"])
+    text = capsys.readouterr().out
+    assert exc.value.code in (0, None)
+    for needle in ("Exit codes", "PRESERVED", "BROKEN", "INCONCLUSIVE", "--sequential"):
+        assert needle in text
+
+
+def test_impossible_tokens_are_counted_once_each() -> None:
+    truth = dist.Truth(SPEC, WL)
+    samples = draw(SPEC, WL, 50, seed=10)
+    text = "a"  # impossible first token, then a possible continuation
+    while len(text) < 4:
+        text += truth.labels[int(np.argmax(truth.next(text)))]
+    samples[0] = dist.Sample(1, text)
+    head = samples[1].text[:3]
+    p = truth.next(head)
+    bad = next(ch for ch in SPEC.letters if p[truth.index[ch]] == 0)
+    samples[1] = dist.Sample(2, head + bad)  # impossible fourth token
+    res = dist.analyze(SPEC, WL, samples)
+    assert res.impossible == 2
+    assert res.verdict is Verdict.BROKEN
