@@ -1,0 +1,235 @@
+"""`specaudit ab`: speculative vs plain over seeds; what placeholders do to a mean logprob."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from specaudit import ab
+from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
+
+AB_EXIT_HELP = (
+    "\b\nExit codes:\n"
+    "  0  consistent: both sides fully covered and in agreement\n"
+    "  1  instrument fault: the spec side's aggregate comes from placeholders\n"
+    "  2  inconclusive, or no decision: bad input, unreachable or non-LLM server\n"
+    "  130 interrupted"
+)
+
+
+@contextlib.contextmanager
+def _progress(total_hint: int) -> Iterator[ab.ProgressFn]:
+    """A rich progress bar over responses (on stderr; silent when it is not a terminal)."""
+    with Progress(
+        TextColumn("[bold]sampling"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("responses"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as prog:
+        task = prog.add_task("sampling", total=total_hint)
+
+        def cb(done: int, total: int) -> None:
+            prog.update(task, completed=done, total=total)
+
+        yield cb
+
+
+@click.command("ab", epilog=AB_EXIT_HELP)
+@click.option("--plain", "plain_url", metavar="URL", help="Server started without speculation.")
+@click.option("--spec", "spec_url", metavar="URL", help="Server that speculates.")
+@click.option(
+    "--seeds",
+    type=click.IntRange(min=1),
+    default=ab.DEFAULT_SEEDS,
+    show_default=True,
+    help="Seeds per side (1..N), sent concurrently up to each server's slots.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=ab.DEFAULT_TOKENS,
+    show_default=True,
+    help="Tokens per response.",
+)
+@click.option("--prompt", default=ab.DEFAULT_PROMPT, show_default=True, help="User prompt.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Sampling temperature.",
+)
+@click.option(
+    "--top-k",
+    "top_logprobs",
+    type=click.IntRange(min=1),
+    default=ab.DEFAULT_TOP_LOGPROBS,
+    show_default=True,
+    help="Candidates requested per token (top_logprobs / n_probs), as in check.",
+)
+@click.option(
+    "--sampler-top-k",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sampler top-k (default: the server's).",
+)
+@click.option(
+    "--endpoint",
+    type=click.Choice(ab.AB_ENDPOINTS),
+    default="chat",
+    show_default=True,
+    help="chat = /v1/chat/completions (logprobs, top_logprobs); completion = /completion.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG: per-token traces with placeholders marked, per-seed means.",
+)
+@click.option(
+    "--model",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Without URLs: GGUF for both servers (default: Gemma 3 270M).",
+)
+@click.option(
+    "--draft",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Without URLs: draft GGUF (default: the model itself, for draft-* types).",
+)
+@click.option(
+    "--spec-type",
+    default=None,
+    help=f"Without URLs: llama-server --spec-type (default: {ab.DEFAULT_SPEC_TYPE}).",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Without URLs: keep the servers' logs here.",
+)
+@json_option
+def command(
+    plain_url: str | None,
+    spec_url: str | None,
+    seeds: int,
+    tokens: int,
+    prompt: str,
+    temperature: float,
+    sampler_top_k: int | None,
+    top_logprobs: int,
+    endpoint: str,
+    plot: Path | None,
+    model: Path | None,
+    draft: Path | None,
+    spec_type: str | None,
+    log_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Sample the same prompt and seeds from a plain and a speculating server and compare
+    the mean logprob a client would compute (naive) with the mean over real tokens.
+
+    Per seed and side: naive mean, real-only mean, coverage (real tokens / tokens),
+    placeholders and the server's draft_n / draft_n_accepted; per side a summary with
+    t-intervals over seeds; a paired Δ (spec - plain) with its interval; and a verdict:
+    "instrument fault", "consistent" or "inconclusive" (rules: docs/ab.md).
+
+    Without --plain/--spec, ab starts both servers itself (127.0.0.1, free ports, always
+    stopped): --model with itself as its own draft and --spec-type draft-simple by default,
+    Gemma 3 270M unless --model is given, as in the field report.
+    """
+    if (plain_url is None) != (spec_url is None):
+        raise ab.ABError("give both --plain and --spec, or neither (ab then starts both servers)")
+    if plain_url is not None and (model or draft or spec_type or log_dir):
+        raise ab.ABError(
+            "--model/--draft/--spec-type/--log-dir only apply when ab starts the "
+            "servers itself (no --plain/--spec)"
+        )
+    settings = ab.Settings(
+        seeds=seeds,
+        tokens=tokens,
+        prompt=prompt,
+        temperature=temperature,
+        sampler_top_k=sampler_top_k,
+        top_logprobs=top_logprobs,
+        endpoint=endpoint,
+    )
+    bins = None if plain_url is not None else ensure_binaries()  # its own progress bar
+    with _progress(2 * seeds) as cb:
+        if plain_url is not None and spec_url is not None:
+            result = ab.run(plain_url, spec_url, settings, plot=plot, progress=cb)
+        else:
+            result = ab.run_local(
+                settings,
+                binaries=bins,
+                model=model,
+                draft=draft,
+                spec_type=spec_type or ab.DEFAULT_SPEC_TYPE,
+                log_dir=log_dir,
+                plot=plot,
+                progress=cb,
+                status=lambda msg: console.print(f"[dim]ab: {msg}[/dim]", highlight=False),
+            )
+    if as_json:
+        emit_json(result)
+    else:
+        _render(result)
+    raise SystemExit(result.exit_code)
+
+
+def _render(result: ab.ABResult) -> None:
+    if not out.is_terminal:
+        # Off a terminal rich squeezes tables into 80 columns: print Markdown, which pastes.
+        click.echo(ab.markdown(result))
+        return
+    st = result.settings
+    loc = result.local
+    where = (
+        f"local servers: {Path(loc['model']).name}, --spec-type {loc['spec_type']}"
+        if loc
+        else f"plain {result.plain.url}, spec {result.spec.url}"
+    )
+    out.print(
+        f"[bold]specaudit ab[/bold]: {st.seeds} seeds × {st.tokens} tokens, "
+        f"T={st.temperature:g}, {st.endpoint}, {where}",
+        highlight=False,
+    )
+    shape = Table(
+        title="naive mean logprob per seed (what a client computes)", title_justify="left"
+    )
+    for h in ab.report_shape_headers(result):
+        shape.add_column(h, justify="left" if h == "side" else "right")
+    for row in ab.report_shape_rows(result):
+        shape.add_row(*[str(v) for v in row])
+    out.print(shape)
+
+    detail = Table(title="per seed and side", title_justify="left")
+    for h in ab.DETAIL_HEADERS:
+        detail.add_column(h, justify="left" if h in ("seed", "side") else "right")
+    for row in ab.detail_rows(result, ci_sep="\n"):
+        detail.add_row(*[str(v) for v in row], end_section=row[0] == "all" and row[1] == "plain")
+    out.print(detail)
+
+    for side in ab.SIDES:
+        out.print(ab.side_line(result.side(side)), highlight=False)
+    out.print(ab.delta_line(result.delta_naive, st.confidence), highlight=False)
+    out.print(ab.delta_line(result.delta_real, st.confidence), highlight=False)
+    style = {
+        ab.Verdict.INSTRUMENT_FAULT: "bold red",
+        ab.Verdict.CONSISTENT: "bold green",
+    }.get(result.verdict.kind, "bold yellow")
+    out.print(f"[{style}]verdict[/{style}]: {result.verdict.message}", highlight=False)
+    for r in result.verdict.reasons:
+        out.print(f"  - {r}", highlight=False)
+    if result.plot is not None:
+        out.print(f"plot: {result.plot}", highlight=False)
