@@ -1,0 +1,313 @@
+"""What `specaudit proxy` costs: added latency (p50, p99) and throughput against a direct
+connection to the same fixture llama-server, at concurrency 1, 16 and 64, streamed and not.
+
+    .venv/bin/python benchmarks/bench_proxy.py [--rounds 3] [--scale 1.0] [--threads 1] [--gemma]
+
+The proxy runs as its own process (`specaudit proxy`, as a user would run it) in front of a
+plain and a speculating fixture llama-server; the load generator is an aiohttp client in this
+process. Requests without logprobs (routed to the speculating server) are compared with the
+same requests sent straight to it; a second table does the same for logprobs requests
+(routed to the plain server and checked token by token) against the plain server.
+
+Direct and proxied runs alternate, `--rounds` times, so drift on a shared machine hits both
+alike; latencies are pooled over rounds, throughput is the median round. CPU time of every
+process on the path (client, proxy, server) is read from /proc around each run, which explains
+the throughput ratio on a CPU-bound machine. Goals from the issue: p99 overhead <= 2 ms,
+throughput >= 0.95x direct (LiteLLM documents a 3.25 ms median). `--gemma` adds Gemma 3 270M
+rows (needs a quiet machine). Results and how to read them: docs/proxy.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from specaudit import fixtures, llama
+from specaudit.llama import LlamaServer, free_port
+from specaudit.llama.server import _pdeathsig
+
+PROMPT = "abcab"
+MAX_TOKENS = 8
+COUNTS = {1: 300, 16: 1200, 64: 1600}  # requests per run, per round (scaled by --scale)
+
+
+@dataclass
+class Run:
+    latencies: list[float]  # seconds
+    wall: float
+    errors: int
+    cpu: float = 0.0  # CPU seconds of every process on the path (client, proxy, server)
+    proxy_cpu: float = 0.0  # the proxy's share
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.wall if self.wall else 0.0
+
+
+def body(path: str, stream: bool, logprobs: bool, prompt: str = PROMPT,
+         max_tokens: int = MAX_TOKENS) -> bytes:
+    b: dict[str, object] = {"max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
+    if path == "/v1/chat/completions":
+        b["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        b["prompt"] = prompt
+    if logprobs:
+        b.update(logprobs=True, top_logprobs=2)
+    return json.dumps(b).encode()
+
+
+async def load(url: str, path: str, payload: bytes, n: int, conc: int, stream: bool) -> Run:
+    """`n` requests from `conc` workers; latency is until the whole body has been read."""
+    # llama-server closes every streamed connection, so stream runs use fresh connections
+    # for direct and proxied runs alike; non-streamed runs keep connections alive.
+    connector = aiohttp.TCPConnector(limit=conc, force_close=stream)
+    lat: list[float] = []
+    errors = 0
+    todo = iter(range(n))
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def worker() -> None:
+            nonlocal errors
+            for _ in todo:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(url + path, data=payload, headers=headers) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return Run(lat, wall, errors)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(url: str, path: str, payload: bytes, n: int, conc: int, stream: bool,
+             server_pid: int, proxy_pid: int | None) -> Run:
+    """`load`, plus the CPU time it cost the client, the proxy (if any) and the server."""
+    pids = [server_pid] + ([proxy_pid] if proxy_pid else [])
+    before = [cpu_seconds(p) for p in pids]
+    c0 = time.process_time()
+    run = asyncio.run(load(url, path, payload, n, conc, stream))
+    client = time.process_time() - c0
+    after = [cpu_seconds(p) for p in pids]
+    deltas = [a - b for a, b in zip(after, before, strict=True)]
+    run.cpu = client + sum(deltas)
+    run.proxy_cpu = deltas[1] if proxy_pid else 0.0
+    return run
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    i = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[i]
+
+
+@contextmanager
+def fixture_servers(tmp: Path, threads: int = 1) -> Iterator[tuple[LlamaServer, LlamaServer]]:
+    """A plain and a speculating fixture llama-server.
+
+    One decode thread each: on a busy 2-core machine ggml's thread barrier stalls for seconds
+    whenever a second decode thread is descheduled, which would swamp what is measured here.
+    """
+    bins = llama.ensure()
+    fs = fixtures.build(tmp / "fixtures")
+    common: dict[str, Any] = {"parallel": 4, "ctx_size": 1024,
+                              "extra_args": ["-t", str(threads), "-tb", str(threads)]}
+    with LlamaServer(bins, Path(fs.target), name="bench-plain", **common) as plain, LlamaServer(
+        bins, Path(fs.target), draft=Path(fs.draft), spec_type="draft-simple", name="bench-spec",
+        **common,
+    ) as spec:
+        yield plain, spec
+
+
+@contextmanager
+def gemma_servers() -> Iterator[tuple[LlamaServer, LlamaServer]]:
+    """Gemma 3 270M plain and as its own draft (the report's setup)."""
+    from specaudit.models import gemma_270m
+
+    bins = llama.ensure()
+    g = gemma_270m().path
+    with LlamaServer(bins, g, parallel=2, ctx_size=4096, name="bench-gemma-plain") as plain, \
+            LlamaServer(bins, g, draft=g, spec_type="draft-simple", parallel=2, ctx_size=4096,
+                        name="bench-gemma-spec") as spec:
+        yield plain, spec
+
+
+@contextmanager
+def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()
+                  ) -> Iterator[tuple[str, int]]:
+    """`specaudit proxy` as a separate process, as a user runs it."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "from specaudit.cli import main; main()", "proxy",
+           "--plain", plain, "--spec", spec, "--listen", f"127.0.0.1:{port}",
+           "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_pdeathsig)  # dies with us
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"proxy exited: {err.strip()[-300:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("proxy did not come up")
+            time.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Row:
+    label: str
+    conc: int
+    stream: bool
+    direct: list[Run]
+    proxied: list[Run]
+
+    def pooled(self, runs: list[Run]) -> list[float]:
+        return [x for r in runs for x in r.latencies]
+
+    def line(self) -> str:
+        d, p = self.pooled(self.direct), self.pooled(self.proxied)
+        d50, d99, p50, p99 = pct(d, 50), pct(d, 99), pct(p, 50), pct(p, 99)
+        drps = statistics.median(r.rps for r in self.direct)
+        prps = statistics.median(r.rps for r in self.proxied)
+        errs = sum(r.errors for r in self.direct + self.proxied)
+        nd, np_ = len(d) or 1, len(p) or 1
+        cpu_d = sum(r.cpu for r in self.direct) / nd * 1e6
+        cpu_p = sum(r.cpu for r in self.proxied) / np_ * 1e6
+        cpu_px = sum(r.proxy_cpu for r in self.proxied) / np_ * 1e6
+        return (
+            f"{self.label:9} {'stream' if self.stream else 'json':6} {self.conc:>4} "
+            f"{d50 * 1e3:8.2f} {p50 * 1e3:8.2f} {(p50 - d50) * 1e3:+8.2f} "
+            f"{d99 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p99 - d99) * 1e3:+8.2f} "
+            f"{drps:8.0f} {prps:8.0f} {prps / drps:6.3f} "
+            f"{cpu_d:7.0f} {cpu_p:7.0f} {cpu_px:7.0f} {errs:4d}"
+        )
+
+
+HEADER = (
+    f"{'route':9} {'mode':6} {'conc':>4} {'d p50':>8} {'p p50':>8} {'+p50':>8} "
+    f"{'d p99':>8} {'p p99':>8} {'+p99':>8} {'d rps':>8} {'p rps':>8} {'ratio':>6} "
+    f"{'d cpu':>7} {'p cpu':>7} {'px cpu':>7} {'err':>4}"
+)
+LEGEND = (
+    "d = direct to the backend, p = through the proxy; latencies in ms (pooled over rounds),\n"
+    "+p50/+p99 = added latency, rps = requests/s (median round), ratio = p rps / d rps,\n"
+    "cpu = CPU microseconds per request of all processes on the path (client, [proxy,] server),\n"
+    "px cpu = the proxy's share; when the machine is CPU-bound, ratio ~ d cpu / p cpu"
+)
+
+
+def bench(direct: LlamaServer, proxy: tuple[str, int], label: str, logprobs: bool,
+          concs: list[int], rounds: int, scale: float, path: str,
+          counts: dict[int, int] | None = None, prompt: str = PROMPT,
+          max_tokens: int = MAX_TOKENS) -> list[Row]:
+    direct_url, (proxy_url, proxy_pid) = direct.url, proxy
+    assert direct.proc is not None
+    spid = direct.proc.pid
+    rows = []
+    for stream in (False, True):
+        payload = body(path, stream, logprobs, prompt, max_tokens)
+        for conc in concs:
+            n = max(conc * 2, int((counts or COUNTS).get(conc, 800) * scale))
+            row = Row(label, conc, stream, [], [])
+            # warm both paths (connections, caches) before measuring
+            warm = min(n, 64 if counts is None else conc)
+            asyncio.run(load(direct_url, path, payload, warm, conc, stream))
+            asyncio.run(load(proxy_url, path, payload, warm, conc, stream))
+            for _ in range(rounds):
+                row.direct.append(measured(direct_url, path, payload, n, conc, stream, spid,
+                                           None))
+                row.proxied.append(measured(proxy_url, path, payload, n, conc, stream, spid,
+                                            proxy_pid))
+            print(row.line(), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    ap.add_argument("--path", default="/v1/completions")
+    ap.add_argument("--threads", type=int, default=1, help="decode threads per llama-server")
+    ap.add_argument("--gemma", action="store_true",
+                    help="also compare on Gemma 3 270M (a real model: slower requests)")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _interrupt)  # clean up servers and proxy on SIGTERM too
+    t0 = time.monotonic()
+    print(f"specaudit proxy benchmark: {args.path}, prompt {PROMPT!r}, max_tokens {MAX_TOKENS}, "
+          f"{args.rounds} rounds, {args.threads} decode thread(s) per server, "
+          f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as tmp, \
+            fixture_servers(Path(tmp), args.threads) as (plain, spec), \
+            proxy_process(plain.url, spec.url) as px:
+        print(LEGEND)
+        print(HEADER)
+        rows = bench(spec, px, "default", False, [1, 16, 64], args.rounds, args.scale,
+                     args.path)
+        rows += bench(plain, px, "logprobs", True, [16], args.rounds, args.scale, args.path)
+    if args.gemma:
+        with gemma_servers() as (gplain, gspec), proxy_process(gplain.url, gspec.url) as gpx:
+            rows += bench(gspec, gpx, "gemma", False, [1, 4], 1, args.scale,
+                          "/v1/chat/completions", counts={1: 8, 4: 16},
+                          prompt="Explain how a CPU branch predictor works.", max_tokens=16)
+    worst99 = max(pct(r.pooled(r.proxied), 99) - pct(r.pooled(r.direct), 99) for r in rows)
+    worst_ratio = min(
+        statistics.median(x.rps for x in r.proxied) / statistics.median(x.rps for x in r.direct)
+        for r in rows
+    )
+    print(f"worst p99 overhead {worst99 * 1e3:+.2f} ms (goal <= 2 ms); worst throughput ratio "
+          f"{worst_ratio:.3f} (goal >= 0.95); took {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Find placeholder tokens in backend responses and turn them into explicit missing values.
+
+Why: a speculating llama-server reports ``logprob: 0.0`` with no candidates (non-streamed) or
+no probability entry at all (streamed) for every token of its speculative loop. The proxy
+must never hand such a value to a client as real, whichever backend sent it. A token is a
+placeholder when candidates were requested and none came back (`specaudit.logprobs.classify`);
+the proxy rewrites its value to ``null`` (``logprob``, and ``prob`` in the post-sampling form)
+and, in streams, adds the entry the server left out, with ``logprob: null``.
+
+Everything here mutates the parsed JSON in place and says how many tokens it looked at and
+how many it rewrote, so the caller can forward the original bytes when nothing changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specaudit.logprobs import TokenClass, classify
+from specaudit.proxy.routing import Kind
+
+
+@dataclass
+class Tally:
+    """Tokens seen and placeholders rewritten, accumulated over one response."""
+
+    tokens: int = 0
+    placeholders: int = 0
+
+    def add(self, other: Tally) -> None:
+        self.tokens += other.tokens
+        self.placeholders += other.placeholders
+
+
+def _candidates(entry: dict[str, Any]) -> int:
+    c = entry.get("top_probs") if "top_probs" in entry else entry.get("top_logprobs")
+    return len(c) if isinstance(c, list | dict) else 0
+
+
+def check_entries(entries: list[Any], requested: int) -> Tally:
+    """Token entries ``{token, logprob|prob, top_logprobs|top_probs}``; placeholders -> null."""
+    t = Tally()
+    for e in entries:
+        if not isinstance(e, dict):
+            continue
+        t.tokens += 1
+        if classify(requested, _candidates(e)) is TokenClass.PLACEHOLDER:
+            if "prob" in e or "top_probs" in e:
+                e["prob"] = None
+                if "logprob" in e:
+                    e["logprob"] = None
+            else:
+                e["logprob"] = None
+            t.placeholders += 1
+    return t
+
+
+def _check_legacy(lp: dict[str, Any], requested: int) -> Tally:
+    """OpenAI legacy completions form: ``tokens``, ``token_logprobs``, ``top_logprobs``."""
+    t = Tally()
+    tokens = lp.get("tokens")
+    values = lp.get("token_logprobs")
+    tops = lp.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return t
+    for i in range(len(tokens)):
+        t.tokens += 1
+        top = tops[i] if isinstance(tops, list) and i < len(tops) else None
+        n = len(top) if isinstance(top, dict | list) else 0
+        if classify(requested, n) is TokenClass.PLACEHOLDER and i < len(values):
+            values[i] = None
+            t.placeholders += 1
+    return t
+
+
+def _check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
+    """None when the choice carries no token entries at all."""
+    if not isinstance(lp, dict):
+        return None
+    content = lp.get("content")
+    if isinstance(content, list):
+        return check_entries(content, requested) if content else None
+    if "tokens" in lp:
+        return _check_legacy(lp, requested)
+    return None
+
+
+def check_body(kind: Kind, body: Any, requested: int) -> Tally:
+    """A whole (non-streamed) response body."""
+    t = Tally()
+    if requested <= 0:
+        return t
+    if kind is Kind.COMPLETION:
+        items = body if isinstance(body, list) else [body]
+        for item in items:
+            if isinstance(item, dict) and isinstance(item.get("completion_probabilities"), list):
+                t.add(check_entries(item["completion_probabilities"], requested))
+        return t
+    if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+        return t
+    for ch in body["choices"]:
+        if isinstance(ch, dict):
+            sub = _check_choice_logprobs(ch.get("logprobs"), requested)
+            if sub is not None:
+                t.add(sub)
+    return t
+
+
+def _missing_entry(token: str, post_sampling: bool, token_id: int | None = None) -> dict[str, Any]:
+    e: dict[str, Any] = {}
+    if token_id is not None:
+        e["id"] = token_id
+    e["token"] = token
+    e["bytes"] = list(token.encode("utf-8"))
+    if post_sampling:
+        e["prob"] = None
+        e["top_probs"] = []
+    else:
+        e["logprob"] = None
+        e["top_logprobs"] = []
+    return e
+
+
+def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = False) -> Tally:
+    """One streamed event (parsed ``data:`` JSON).
+
+    A token streamed with no probability entry is a placeholder: the entry is added with
+    ``logprob: null`` so a client that asked for logprobs sees the gap instead of nothing.
+    """
+    t = Tally()
+    if requested <= 0 or not isinstance(event, dict):
+        return t
+    if kind is Kind.COMPLETION:
+        probs = event.get("completion_probabilities")
+        if isinstance(probs, list) and probs:
+            return check_entries(probs, requested)
+        content = event.get("content")
+        ids = [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(
+            i, bool)] if isinstance(event.get("tokens"), list) else []
+        text = content if isinstance(content, str) else ""
+        if ids:
+            event["completion_probabilities"] = [
+                _missing_entry(text if j == 0 else "", post_sampling, tid)
+                for j, tid in enumerate(ids)
+            ]
+            return Tally(len(ids), len(ids))
+        if text:
+            event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
+            return Tally(1, 1)
+        return t
+    choices = event.get("choices")
+    if not isinstance(choices, list):
+        return t
+    for ch in choices:
+        if not isinstance(ch, dict):
+            continue
+        sub = _check_choice_logprobs(ch.get("logprobs"), requested)
+        if sub is not None:
+            t.add(sub)
+            continue
+        if kind is Kind.CHAT:
+            delta = ch.get("delta")
+            text = ""
+            if isinstance(delta, dict):
+                for key in ("content", "reasoning_content"):
+                    v = delta.get(key)
+                    if isinstance(v, str) and v:
+                        text = v
+                        break
+        else:
+            v = ch.get("text")
+            text = v if isinstance(v, str) else ""
+        if text:
+            ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
+            t.add(Tally(1, 1))
+    return t

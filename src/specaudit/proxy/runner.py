@@ -1,0 +1,89 @@
+"""Running the proxy: in the foreground until a signal (`run`), or in a background thread for
+callers that are not async themselves (`serve_in_thread`: the audit, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from specaudit.proxy.config import ProxyConfig
+from specaudit.proxy.server import Proxy, ProxyStats
+
+
+def run(
+    config: ProxyConfig,
+    on_ready: Callable[[Proxy], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> ProxyStats:
+    """Serve until SIGINT/SIGTERM (or `stop` is set); return what the proxy did.
+
+    Raises `ProxyError` when it cannot start (plain backend speculates, port taken, ...).
+    """
+
+    async def main() -> ProxyStats:
+        done = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, done.set)
+                installed.append(sig)
+        proxy = Proxy(config)
+        try:
+            await proxy.start()
+            if on_ready is not None:
+                on_ready(proxy)
+            await done.wait()
+            return proxy.stats()
+        finally:
+            await proxy.stop()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(main())
+
+
+@dataclass
+class RunningProxy:
+    """A proxy serving from a background thread."""
+
+    proxy: Proxy
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    def stats(self) -> ProxyStats:
+        return asyncio.run_coroutine_threadsafe(_stats(self.proxy), self.loop).result(10)
+
+    def check_backends(self) -> None:
+        """Run the role checks now (instead of waiting for the next periodic one)."""
+        asyncio.run_coroutine_threadsafe(self.proxy.check_backends(), self.loop).result(60)
+
+
+async def _stats(p: Proxy) -> ProxyStats:
+    return p.stats()
+
+
+@contextlib.contextmanager
+def serve_in_thread(config: ProxyConfig) -> Iterator[RunningProxy]:
+    """``with serve_in_thread(cfg) as rp: rp.url`` — started (roles checked) on entry."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="specaudit-proxy", daemon=True)
+    thread.start()
+    proxy = Proxy(config)
+    try:
+        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(120)
+        try:
+            yield RunningProxy(proxy, loop)
+        finally:
+            asyncio.run_coroutine_threadsafe(proxy.stop(), loop).result(60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
