@@ -1,0 +1,82 @@
+"""Issue 7's proof, by specaudit's own instruments, against the real patched llama-server.
+
+The per-token equality with the plain server is in test_patch_equality.py; here `check`,
+`ab` and `dist` judge the patched speculating server exactly as they judge the stock one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+from specaudit import ab, check, dist
+from specaudit.audit import AuditContext
+from specaudit.stats import Verdict
+
+
+def _url(server: Callable[[str], object], name: str) -> str:
+    return str(server(name).url)  # type: ignore[attr-defined]
+
+
+def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
+    server: Callable[[str], object], fixture_set
+) -> None:  # type: ignore[no-untyped-def]
+    url = _url(server, "fixture-spec-patched")
+    r = subprocess.run(
+        [sys.executable, "-m", "specaudit", "check", url, "--prompt", fixture_set.spec.prompt,
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]
+    data = json.loads(r.stdout)
+    assert data["verdict"] == "real"
+    eps = data["endpoints"]
+    # all four request kinds, streamed and not, answered with real values only
+    assert {(e["kind"], e["stream"]) for e in eps if e["status"] == "ok"} == {
+        (k, s) for k in check.PROBE_KINDS for s in (False, True)
+    }
+    assert all(e["placeholder"] == 0 and e["real"] > 0 for e in eps)
+    # and it really speculated while doing so
+    assert data["speculation"]["state"] == "yes"
+    assert (data["speculation"]["draft_n"] or 0) > 0
+
+
+def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], object]) -> None:
+    stock = check.run(_url(server, "gemma-spec"), endpoint="chat", tokens=24)
+    patched = check.run(_url(server, "gemma-spec-patched"), endpoint="chat", tokens=24)
+    assert stock.exit_code == 1 and stock.placeholders > 0
+    assert patched.exit_code == 0 and patched.placeholders == 0
+    assert (patched.speculation.draft_n or 0) > 0
+
+
+def test_ab_patched_spec_against_plain_is_consistent(
+    server: Callable[[str], object], fixture_set
+) -> None:  # type: ignore[no-untyped-def]
+    settings = ab.Settings(seeds=5, tokens=32, prompt=fixture_set.spec.prompt, endpoint="chat")
+    res = ab.run(_url(server, "fixture-plain"), _url(server, "fixture-spec-patched"), settings)
+    assert res.spec.coverage == 1.0 and res.plain.coverage == 1.0
+    assert res.verdict.kind is ab.Verdict.CONSISTENT, res.verdict.message
+
+
+def test_dist_on_the_patched_server_is_still_preserved(
+    server: Callable[[str], object], fixture_set
+) -> None:  # type: ignore[no-untyped-def]
+    spec = fixture_set.spec
+    wl = dist.make_workload(spec)
+    eng = dist.ServerEngine(
+        _url(server, "fixture-spec-patched"), spec, wl, label="patched", kind="server-spec"
+    )
+    res = dist.measure(eng, spec, wl, list(range(1, 1001)))
+    assert res.verdict is Verdict.PRESERVED
+
+
+def test_patched_audit_section(audit_ctx: AuditContext) -> None:
+    from specaudit import patched
+
+    sec = patched.audit_section(audit_ctx)
+    assert sec.status == "ok", sec.summary
+    rows = sec.data["check"]
+    assert all(r["stock"][1] > 0 and r["patched"][1] == 0 for r in rows)
+    assert all(r["stock_exit"] == 1 and r["patched_exit"] == 0 for r in rows)
