@@ -318,11 +318,13 @@ def _set_patches(build: int, src: Path, patches: tuple[str, ...]) -> None:
     """
     state = src.parent / "patched.json"
     applied: dict[str, list[str]] = json.loads(state.read_text()) if state.is_file() else {}
-    if list(applied.get("patches", [])) == list(patches):
+    # Compare by variant, which hashes the patch bytes: an edited patch must be re-applied.
+    want = variant_name(patches, build)
+    if applied.get("variant", "stock" if not applied.get("patches") else None) == want:
         return
     for rel in applied.get("files", []):
         (src / rel).write_bytes(_pristine(build, rel))
-    state.write_text(json.dumps({"patches": [], "files": []}))
+    state.write_text(json.dumps({"patches": [], "variant": "stock", "files": []}))
     files: list[str] = []
     for name in patches:
         p = patch_path(name, build)
@@ -336,7 +338,9 @@ def _set_patches(build: int, src: Path, patches: tuple[str, ...]) -> None:
         if r.returncode != 0:
             last = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["?"]
             raise BuildError(f"patch {name} does not apply to b{build}: {last[0]}")
-    state.write_text(json.dumps({"patches": list(patches), "files": sorted(set(files))}))
+    state.write_text(
+        json.dumps({"patches": list(patches), "variant": want, "files": sorted(set(files))})
+    )
 
 
 _PCT = re.compile(r"^\[\s*(\d+)%\]\s*(.*)")
