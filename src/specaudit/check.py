@@ -11,9 +11,9 @@ It also reads ``/slots`` (the per-slot truth about speculation) next to ``/props
 server claims), shows ``timings.draft_n``/``draft_n_accepted``, and probes whether the
 per-request ``speculative.n_max: 0`` switch is honoured (at b11434 it is compiled out).
 
-Exit semantics (`CheckResult.exit_code`): 0 every logprob real, 1 placeholders found; "no
-decision" (unreachable, errors, non-JSON, not an LLM server, no logprobs at all) raises
-`CheckError` (exit 2).
+Outcome (`CheckResult.outcome`, `specaudit.outcome`): OK every logprob real, FINDING
+placeholders found; "no decision" (unreachable, errors, non-JSON, not an LLM server, no
+logprobs at all) raises `CheckError` (exit 2).
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specaudit import logprobs
+from specaudit import logprobs, speculation
 from specaudit.client import ENDPOINTS, Client, ClientError, StreamResult
-from specaudit.errors import EXIT_FINDING, EXIT_OK, SpecauditError
+from specaudit.errors import SpecauditError
 from specaudit.logprobs import TokenClass, TokenRecord
-
-if TYPE_CHECKING:
-    from specaudit import audit
+from specaudit.outcome import Outcome
 
 JSON = dict[str, Any]
 
@@ -150,8 +148,12 @@ class CheckResult:
     endpoints: list[EndpointResult]
     switch: SwitchProbe | None
     verdict: str  # "real" or "placeholders"
-    exit_code: int
+    outcome: Outcome  # OK (real) or FINDING (placeholders)
     reason: str  # one line
+    exit_code: int = field(init=False)  # outcome.exit_code, kept in the JSON for scripts
+
+    def __post_init__(self) -> None:
+        self.exit_code = self.outcome.exit_code
 
     @property
     def placeholders(self) -> int:
@@ -283,9 +285,7 @@ def probe(client: Client, kind: str, stream: bool, s: CheckSettings) -> Endpoint
     res.draft_n, res.draft_n_accepted, res.server_tokens = _timings(bodies)
     res.text = _text(kind, bodies, stream)
     for b in bodies:
-        gs = b.get("generation_settings")
-        if isinstance(gs, dict) and isinstance(gs.get("speculative.types"), str):
-            res.spec_types = gs["speculative.types"]
+        res.spec_types = speculation.response_types(b) or res.spec_types
     res.tokens = records
     c = logprobs.counts(records)
     res.total, res.real, res.placeholder = c.total, c.real, c.placeholder
@@ -303,52 +303,18 @@ def probe(client: Client, kind: str, stream: bool, s: CheckSettings) -> Endpoint
 # speculation
 
 
-def _props_types(props: JSON | None) -> str | None:
-    if props is None:
-        return None
-    params = (props.get("default_generation_settings") or {}).get("params") or {}
-    t = params.get("speculative.types", params.get("speculative.type"))
-    if t is None:
-        return None
-    if isinstance(t, list):
-        return ",".join(str(x) for x in t)
-    return str(t)
-
-
-def _claims_none(types: str | None) -> bool:
-    return types is None or all(p.strip() in ("", "none") for p in types.split(","))
-
-
 def read_speculation(client: Client) -> Speculation:
-    """What /slots and /props say. Connection failures propagate: nothing else will work."""
-    slots: list[JSON] | None = None
-    note: str | None = None
-    try:
-        slots = client.slots()
-        if slots is None:
-            note = "no /slots endpoint"
-    except ClientError as e:
-        if e.status is None:  # unreachable or timed out: nothing else will work either
-            raise
-        note = f"/slots unreadable: {e}"
-    props: JSON | None = None
-    try:
-        props = client.props()
-    except ClientError as e:
-        if e.status is None:
-            raise
-    types = _props_types(props)
-    spec = Speculation(state="unknown", summary="", props_types=types, slots_note=note)
-    if slots is not None and not any(isinstance(x, dict) and "speculative" in x for x in slots):
-        spec.slots_note = "/slots has no per-slot speculative field"
-        slots = None
-    if slots is not None:
-        spec.slots_total = len(slots)
-        spec.slots_speculative = sum(
-            bool(x.get("speculative")) for x in slots if isinstance(x, dict)
-        )
-        spec.state = "yes" if spec.slots_speculative else "no"
-    return spec
+    """What /slots and /props say (`specaudit.speculation`). Connection failures propagate:
+    nothing else will work."""
+    info = speculation.read(client)
+    return Speculation(
+        state="unknown" if info.speculates is None else ("yes" if info.speculates else "no"),
+        summary="",
+        slots_total=info.slots_total,
+        slots_speculative=info.slots_speculative,
+        props_types=info.props_types,
+        slots_note=info.slots_note,
+    )
 
 
 def _summarise(spec: Speculation) -> None:
@@ -366,16 +332,16 @@ def _summarise(spec: Speculation) -> None:
     if spec.request_types is not None and spec.request_types != spec.props_types:
         drafted += f"; a response's own settings say speculative.types {spec.request_types}"
     if spec.slots_total is None:
-        if spec.draft_n or not _claims_none(spec.request_types):
+        if spec.draft_n or not speculation.claims_none(spec.request_types):
             spec.state = "yes"
             spec.summary = f"speculates: {spec.slots_note}, but{drafted[1:]}"
         else:
             spec.summary = f"unknown: {spec.slots_note}"
-        spec.hidden = spec.state == "yes" and _claims_none(spec.props_types)
+        spec.hidden = spec.state == "yes" and speculation.claims_none(spec.props_types)
         return
     slots_txt = f"/slots says {spec.slots_speculative}/{spec.slots_total} slots speculate"
     if spec.state == "yes":
-        spec.hidden = _claims_none(spec.props_types)
+        spec.hidden = speculation.claims_none(spec.props_types)
         lead = "hidden speculation" if spec.hidden else "speculates"
         spec.summary = f"{lead}: {props_txt}; {slots_txt}{drafted}"
     else:
@@ -503,10 +469,10 @@ def run(
     n_real = sum(r.real for r in decided)
     if n_ph:
         where = ", ".join(f"{r.label} {r.placeholder}/{r.total}" for r in decided if r.placeholder)
-        verdict, code = "placeholders", EXIT_FINDING
+        verdict, outcome = "placeholders", Outcome.FINDING
         reason = f"{n_ph} placeholder logprobs (candidates requested, none returned): {where}"
     else:
-        verdict, code = "real", EXIT_OK
+        verdict, outcome = "real", Outcome.OK
         reason = f"every logprob is real: {n_real} tokens on {len(decided)} requests"
     absent = list(dict.fromkeys(r.path for r in results if r.status == "absent"))
     if absent:
@@ -514,7 +480,7 @@ def run(
     failed = [f"{r.label} ({r.status})" for r in results if r.status not in ("ok", "absent")]
     if failed:
         reason += "; no decision on: " + ", ".join(failed)
-    return CheckResult(url, s, spec, results, switch, verdict, code, reason)
+    return CheckResult(url, s, spec, results, switch, verdict, outcome, reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,110 +520,7 @@ def endpoint_verdict(r: EndpointResult) -> str:
     return "real"
 
 
-# ---------------------------------------------------------------------------------------------
-# audit
-
-
-# Servers the audit's check section covers. The patch issue adds "-patched" roles here or
-# passes `servers=` itself.
-AUDIT_SERVERS: tuple[str, ...] = ("fixture-plain", "fixture-spec", "gemma-plain", "gemma-spec")
-
-
-def audit_section(ctx: audit.AuditContext, servers: Sequence[str] | None = None) -> audit.Section:
-    """Check each audit server: every endpoint for the fixture, chat for Gemma."""
-    from specaudit import audit as audit_mod
-    from specaudit.report import md_table
-
-    rows: list[tuple[Any, ...]] = []
-    spec_rows: list[tuple[Any, ...]] = []
-    data: dict[str, Any] = {}
-    findings: list[str] = []
-    errors: list[str] = []
-    for name in servers or AUDIT_SERVERS:
-        model = audit_mod.SERVERS[name].model
-        fixture = model == "fixture"
-        srv = ctx.server(name)
-        try:
-            res = run(
-                srv.url,
-                endpoint="all" if fixture else "chat",
-                prompt=ctx.fixture.spec.prompt if fixture else DEFAULT_PROMPT,
-                tokens=24,
-                top_k=3,
-                seed=1,
-                temperature=1.0,
-            )
-        except SpecauditError as e:
-            errors.append(f"{name}: {e}")
-            rows.append((name, "-", "-", None, None, f"error: {e}"))
-            data[name] = {"error": str(e)}
-            continue
-        data[name] = res
-        for r in res.endpoints:
-            rows.append(
-                (
-                    name,
-                    PROBE_LABELS[r.kind],
-                    "yes" if r.stream else "no",
-                    r.real,
-                    r.placeholder,
-                    endpoint_verdict(r),
-                )
-            )
-        sp = res.speculation
-        spec_rows.append(
-            (
-                name,
-                f"{sp.slots_speculative}/{sp.slots_total}" if sp.slots_total is not None else None,
-                sp.props_types,
-                sp.draft_n,
-                sp.draft_n_accepted,
-                res.switch.verdict if res.switch else "n/a",
-                sp.summary,
-            )
-        )
-        if res.placeholders:
-            findings.append(f"{name} {res.placeholders}")
-    md = [
-        md_table(["server", "endpoint", "stream", "real", "placeholder", "verdict"], rows),
-        "",
-        md_table(
-            [
-                "server",
-                "/slots speculative",
-                "/props speculative.types",
-                "draft_n",
-                "accepted",
-                "speculative.n_max 0",
-                "speculation",
-            ],
-            spec_rows,
-        ),
-        "",
-        "A token is *placeholder* when k=3 candidates were requested and none came back "
-        "(logprob 0.0 / prob 1.0 non-streamed, no entry at all streamed).",
-    ]
-    if errors:
-        status = "error"
-        summary = "; ".join(errors)
-    elif findings:
-        status = "finding"
-        summary = "placeholder logprobs on " + ", ".join(findings)
-    else:
-        status = "ok"
-        summary = "every logprob real on every server"
-    return audit_mod.Section(
-        key="check",
-        title="Check: are the logprobs real?",
-        markdown="\n".join(md),
-        data=data,
-        status=status,
-        summary=summary,
-    )
-
-
 __all__ = [
-    "AUDIT_SERVERS",
     "DEFAULT_PROMPT",
     "ENDPOINT_GROUPS",
     "PROBE_KINDS",
@@ -668,7 +531,6 @@ __all__ = [
     "EndpointResult",
     "Speculation",
     "SwitchProbe",
-    "audit_section",
     "probe",
     "read_speculation",
     "request_body",

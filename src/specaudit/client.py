@@ -11,7 +11,6 @@ stream is read to its end and the connection is never reused after one.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,15 +130,6 @@ class Client:
             raise ClientError(_describe(e, url)) from None
         return _decode(r, url)
 
-    def get_optional(self, path: str) -> JSON | None:
-        """GET that maps 404/501 (endpoint absent or disabled) to None."""
-        try:
-            return self.get(path)
-        except ClientError as e:
-            if e.status in (404, 405, 501):
-                return None
-            raise
-
     def post(self, path: str, body: JSON) -> JSON:
         url = _url(self.base_url, path)
         try:
@@ -175,22 +165,6 @@ class Client:
             raise ClientError(_describe(e, url)) from None
         out.raw = b"".join(chunks)
         return out
-
-    # convenience ------------------------------------------------------------------------
-
-    def health(self) -> JSON:
-        return self.get("/health")
-
-    def slots(self) -> list[JSON] | None:
-        """`/slots` as a list, or None when the server has no such endpoint."""
-        body = self.get_optional("/slots")
-        if body is None:
-            return None
-        lst = body.get("_list")
-        return list(lst) if isinstance(lst, list) else None
-
-    def props(self) -> JSON | None:
-        return self.get_optional("/props")
 
 
 class AsyncClient:
@@ -235,22 +209,3 @@ class AsyncClient:
         except httpx.HTTPError as e:
             raise ClientError(_describe(e, url)) from None
         return _decode(r, url)
-
-    async def stream_events(self, path: str, body: JSON) -> AsyncIterator[JSON]:
-        url = _url(self.base_url, path)
-        out = StreamResult()
-        try:
-            async with (
-                httpx.AsyncClient(timeout=self._http.timeout) as h,
-                h.stream("POST", url, json={**body, "stream": True}) as r,
-            ):
-                if r.status_code >= 400:
-                    await r.aread()
-                    _decode(r, url)
-                async for line in r.aiter_lines():
-                    n = len(out.events)
-                    _sse_line(line, out)
-                    for ev in out.events[n:]:
-                        yield ev
-        except httpx.HTTPError as e:
-            raise ClientError(_describe(e, url)) from None

@@ -6,10 +6,18 @@ prints it after ``error:`` and exits with the error's `exit_code`, never with a 
 
 from __future__ import annotations
 
-# Exit codes documented in every command's --help.
-EXIT_OK = 0
-EXIT_FINDING = 1  # the audit found what it looks for (placeholders, a broken distribution...)
-EXIT_ERROR = 2  # no decision: bad input, unreachable server, failed build...
+from specaudit.outcome import EXIT_FINDING, EXIT_NO_DECISION, EXIT_OK
+
+EXIT_ERROR = EXIT_NO_DECISION  # an error is always "no decision"
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_FINDING",
+    "EXIT_OK",
+    "BuildError",
+    "ModelError",
+    "ServerError",
+    "SpecauditError",
+]
 
 
 class SpecauditError(Exception):

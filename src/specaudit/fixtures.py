@@ -78,7 +78,8 @@ MODEL_FILES = (TARGET_FILE, DRAFT_FILE)
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 #: Special tokens appended after the letters, in id order: BOS, EOS, UNK. They are never
-#: letters, so an EOS stop can never swallow a letter (see the notes' fixture pitfalls).
+#: letters: if the EOS id pointed at a letter, generation would stop on it and that letter would
+#: never appear in a sample, silently removing a token from the distribution under test.
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
 
 # GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*).
@@ -371,7 +372,8 @@ _DEFAULT_DRAFT: tuple[tuple[float, ...], ...] = (
 
 
 def default_spec() -> FixtureSpec:
-    """The fixture of the field report (#29975): eight letters a..h, prompt ``bcdbc``.
+    """The fixture of the field report (https://github.com/ggml-org/llama.cpp/issues/29975):
+    eight letters a..h, prompt ``bcdbc``.
 
     After ``bcdbc`` the target picks ``f`` with probability 0.8421 (top-k 3, T=1); after
     ``f`` its top-3 distribution is e 0.345, g 0.452, h 0.203, while the draft's top

@@ -39,6 +39,8 @@ import numpy as np
 from scipy import optimize, special
 from scipy import stats as st
 
+from specaudit.outcome import Outcome
+
 __all__ = [
     "EProcess",
     "GofResult",
@@ -70,6 +72,15 @@ class Verdict(StrEnum):
     PRESERVED = "PRESERVED"
     BROKEN = "BROKEN"
     INCONCLUSIVE = "INCONCLUSIVE"
+
+    @property
+    def outcome(self) -> Outcome:
+        """PRESERVED -> OK, BROKEN -> FINDING, INCONCLUSIVE -> NO_DECISION."""
+        return {
+            Verdict.PRESERVED: Outcome.OK,
+            Verdict.BROKEN: Outcome.FINDING,
+            Verdict.INCONCLUSIVE: Outcome.NO_DECISION,
+        }[self]
 
 
 @dataclass(frozen=True)

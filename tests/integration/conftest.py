@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from specaudit import audit, llama
+from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 
 
@@ -47,7 +48,7 @@ def llama_bins() -> LlamaBinaries:
 
 @pytest.fixture(scope="session")
 def patched_bins(llama_bins: LlamaBinaries) -> LlamaBinaries:
-    return llama.ensure(patches=(audit.PATCH,), progress=_progress)
+    return llama.ensure(patches=(presets.PATCH,), progress=_progress)
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +77,10 @@ def gemma_path(audit_ctx: audit.AuditContext) -> Path:
 
 @pytest.fixture(scope="session")
 def server(audit_ctx: audit.AuditContext) -> Callable[[str], ServerHandle]:
-    """``server("fixture-spec")`` -> a running server of that role (see audit.SERVERS)."""
+    """``server("fixture-spec")`` -> a running server of that role (see presets.PRESETS)."""
 
     def get(name: str) -> ServerHandle:
-        spec = audit.SERVERS[name]
+        spec = presets.PRESETS[name]
         env = os.environ.get("SPECAUDIT_TEST_URL_" + name.upper().replace("-", "_"))
         if env:
             return ServerHandle(

@@ -21,6 +21,7 @@ import pytest
 from PIL import Image
 
 from specaudit import ab, audit
+from specaudit.audit.sections import ab as ab_section
 from specaudit.llama import LlamaServer
 from specaudit.llama.build import LlamaBinaries
 
@@ -73,7 +74,7 @@ def assert_instrument_fault(r: ab.ABResult) -> None:
     assert r.spec.coverage < 0.10, r.spec
     assert r.spec.naive_mean is not None and r.plain.naive_mean is not None
     assert r.spec.naive_mean > r.plain.naive_mean
-    assert r.verdict.kind is ab.Verdict.INSTRUMENT_FAULT, r.verdict
+    assert r.verdict.kind is ab.ABVerdict.INSTRUMENT_FAULT, r.verdict
     assert "tool, not the model" in r.verdict.message
     assert r.plain.speculative is False and r.spec.speculative is True  # /slots says so
     assert r.spec.draft_n is not None and r.spec.draft_n > 0
@@ -110,7 +111,7 @@ def test_two_plain_servers_are_consistent(
 ) -> None:
     settings = ab.Settings(seeds=5, tokens=48, prompt=fixture_set.spec.prompt)
     r = ab.run(server("fixture-plain").url, second_fixture_plain, settings)
-    assert r.verdict.kind is ab.Verdict.CONSISTENT, r.verdict
+    assert r.verdict.kind is ab.ABVerdict.CONSISTENT, r.verdict
     assert r.plain.coverage == r.spec.coverage == 1.0
     assert r.plain.speculative is False and r.spec.speculative is False
     assert r.exit_code == 0
@@ -122,7 +123,7 @@ def test_one_plain_server_against_itself_is_consistent(
 ) -> None:
     url = server("fixture-plain").url
     r = ab.run(url, url, ab.Settings(seeds=4, tokens=32, prompt=fixture_set.spec.prompt))
-    assert r.verdict.kind is ab.Verdict.CONSISTENT, r.verdict
+    assert r.verdict.kind is ab.ABVerdict.CONSISTENT, r.verdict
     assert r.plain.slots == r.spec.slots  # both sides share the one server's slots
 
 
@@ -160,7 +161,7 @@ def test_gemma_and_fixture_draft_simple_in_the_audit_section(
     audit_ctx: audit.AuditContext, tmp_path: Path
 ) -> None:
     """The audit section on the session's Gemma and fixture servers (short Gemma run)."""
-    sec = ab.audit_section(audit_ctx, seeds=3, tokens=40)
+    sec = ab_section.section(audit_ctx, seeds=3, tokens=40)
     assert sec.key == "ab" and sec.status == "finding"
     assert set(sec.data) == {"Gemma 3 270M", "fixture"}
     for label, data in sec.data.items():

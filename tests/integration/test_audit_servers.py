@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from specaudit import audit
+from specaudit.audit.sections import servers
 
 
 def test_servers_section_reports_hidden_speculation(audit_ctx: audit.AuditContext) -> None:
-    sec = audit.servers_section(audit_ctx)
+    sec = servers.section(audit_ctx)
     rows = {r["name"]: r for r in sec.data["servers"]}
     assert rows["fixture-spec"]["verdict"].startswith("hidden")
     assert rows["gemma-spec"]["verdict"].startswith("hidden")

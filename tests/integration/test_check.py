@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from specaudit import audit, check
+from specaudit.audit.sections import check as check_sections
 from specaudit.client import JSON, Client, StreamResult
 
 CLI = [sys.executable, "-m", "specaudit"]
@@ -92,7 +93,7 @@ def test_fixture_spec_human_output(server: Callable[..., Any]) -> None:
 
 @pytest.fixture(scope="module")
 def check_section(audit_ctx: audit.AuditContext) -> audit.Section:
-    return check.audit_section(audit_ctx)
+    return check_sections.section(audit_ctx)
 
 
 @pytest.mark.gemma
@@ -116,7 +117,7 @@ def test_audit_section_table(check_section: audit.Section) -> None:
     assert check_section.key == "check" and check_section.status == "finding"
     md = check_section.markdown
     assert "| server | endpoint | stream | real | placeholder | verdict |" in md
-    for name in check.AUDIT_SERVERS:
+    for name in check_sections.ROLES:
         assert f"| {name} |" in md
     fx = check_section.data["fixture-spec"]
     assert len(fx.endpoints) == 8 and all(e.placeholder > 0 for e in fx.endpoints)

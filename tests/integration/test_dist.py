@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from specaudit import audit, dist, fixtures
+from specaudit.audit.sections import dist as dist_section
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
@@ -105,7 +106,7 @@ def test_cli_url_engine_json_and_plot(
 
 
 def test_audit_section(audit_ctx: audit.AuditContext) -> None:
-    sec = dist.audit_section(audit_ctx)
+    sec = dist_section.section(audit_ctx)
     res = sec.data["dist"]
     verdicts = {e.kind: e.verdict for e in res.engines}
     assert verdicts == {

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from specaudit import ab, check, dist
 from specaudit.audit import AuditContext
+from specaudit.audit.sections import patched
 from specaudit.stats import Verdict
 
 
@@ -57,7 +58,11 @@ def test_ab_patched_spec_against_plain_is_consistent(
     settings = ab.Settings(seeds=5, tokens=32, prompt=fixture_set.spec.prompt, endpoint="chat")
     res = ab.run(_url(server, "fixture-plain"), _url(server, "fixture-spec-patched"), settings)
     assert res.spec.coverage == 1.0 and res.plain.coverage == 1.0
-    assert res.verdict.kind is ab.Verdict.CONSISTENT, res.verdict.message
+    assert res.verdict.kind is ab.ABVerdict.CONSISTENT, res.verdict.message
+    # consistent *while speculating*: a patched server that stopped drafting would pass above
+    assert res.spec.speculative is True
+    assert (res.spec.draft_n or 0) > 0 and (res.spec.draft_n_accepted or 0) > 0
+    assert not res.plain.draft_n
 
 
 def test_dist_on_the_patched_server_is_still_preserved(
@@ -70,12 +75,12 @@ def test_dist_on_the_patched_server_is_still_preserved(
     )
     res = dist.measure(eng, spec, wl, list(range(1, 1001)))
     assert res.verdict is Verdict.PRESERVED
+    # preserved *while speculating*: every sample went through drafting and verification
+    assert (res.drafted or 0) > 0 and (res.accepted or 0) > 0
 
 
 def test_patched_audit_section(audit_ctx: AuditContext) -> None:
-    from specaudit import patched
-
-    sec = patched.audit_section(audit_ctx)
+    sec = patched.section(audit_ctx)
     assert sec.status == "ok", sec.summary
     rows = sec.data["check"]
     assert all(r["stock"][1] > 0 and r["patched"][1] == 0 for r in rows)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 
 from specaudit import audit
-from specaudit.proxy import audit_section
-from specaudit.proxy.section import DemoRow, problems
+from specaudit.audit.sections.proxy import DemoRow, problems, section
 
 
 @pytest.mark.gemma
 def test_audit_section(audit_ctx: audit.AuditContext) -> None:
-    sec = audit_section(audit_ctx)
+    sec = section(audit_ctx)
     assert sec.key == "proxy" and sec.status == "ok", sec.markdown
     rows: list[DemoRow] = sec.data["rows"]
     by = {(r.model, r.request, r.via): r for r in rows}

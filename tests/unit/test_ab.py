@@ -200,7 +200,7 @@ def test_draft_shape_is_instrument_fault() -> None:
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2, 3)]
     rs += [resp("spec", s, draft_like(s)) for s in (1, 2, 3)]
     v = verdict_of(rs)
-    assert v.kind is ab.Verdict.INSTRUMENT_FAULT, v
+    assert v.kind is ab.ABVerdict.INSTRUMENT_FAULT, v
     assert "5.0%" in v.message and "tool, not the model" in v.message
     assert v.fault_test is not None and v.fault_test.p_value is not None
     assert v.fault_test.p_value < ab.ALPHA
@@ -208,7 +208,7 @@ def test_draft_shape_is_instrument_fault() -> None:
 
 def test_fault_needs_two_seeds() -> None:
     v = verdict_of([resp("plain", 1, plain_values(1)), resp("spec", 1, draft_like(1))])
-    assert v.kind is ab.Verdict.INCONCLUSIVE
+    assert v.kind is ab.ABVerdict.INCONCLUSIVE
     assert any("fewer than 2 seeds" in r for r in v.reasons)
 
 
@@ -216,7 +216,7 @@ def test_fault_needs_a_clean_plain_side() -> None:
     rs = [resp("plain", s, draft_like(s)) for s in (1, 2, 3)]
     rs += [resp("spec", s, draft_like(s)) for s in (1, 2, 3)]
     v = verdict_of(rs)
-    assert v.kind is ab.Verdict.INCONCLUSIVE
+    assert v.kind is ab.ABVerdict.INCONCLUSIVE
     assert any("no reference" in r for r in v.reasons)
 
 
@@ -225,7 +225,7 @@ def test_mixed_coverage_above_half_is_inconclusive() -> None:
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2, 3)]
     rs += [resp("spec", s, plain_values(s)[:14] + [None] * 6) for s in (1, 2, 3)]
     v = verdict_of(rs)
-    assert v.kind is ab.Verdict.INCONCLUSIVE
+    assert v.kind is ab.ABVerdict.INCONCLUSIVE
     assert any("coverage 70%" in r for r in v.reasons)
     assert any("not fully covered" in r for r in v.reasons)
 
@@ -233,12 +233,12 @@ def test_mixed_coverage_above_half_is_inconclusive() -> None:
 def test_identical_sides_are_consistent() -> None:
     rs = [resp(side, s, plain_values(s)) for s in (1, 2, 3) for side in ab.SIDES]
     v = verdict_of(rs)
-    assert v.kind is ab.Verdict.CONSISTENT and "0.01 nats" in v.message
+    assert v.kind is ab.ABVerdict.CONSISTENT and "0.01 nats" in v.message
 
 
 def test_single_identical_seed_is_consistent() -> None:
     rs = [resp(side, 1, plain_values(1)) for side in ab.SIDES]
-    assert verdict_of(rs).kind is ab.Verdict.CONSISTENT
+    assert verdict_of(rs).kind is ab.ABVerdict.CONSISTENT
 
 
 def test_different_samples_within_noise_are_consistent() -> None:
@@ -252,7 +252,7 @@ def test_different_samples_within_noise_are_consistent() -> None:
     v = verdict_of(rs)
     assert v.agreement_test is not None and v.agreement_test.mean is not None
     assert abs(v.agreement_test.mean) > ab.AGREE_TOLERANCE
-    assert v.kind is ab.Verdict.CONSISTENT, v
+    assert v.kind is ab.ABVerdict.CONSISTENT, v
     assert "sampling error" in v.message
 
 
@@ -260,7 +260,7 @@ def test_full_coverage_but_different_model_is_inconclusive() -> None:
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2, 3)]
     rs += [resp("spec", s, [v - 1.0 for v in plain_values(s)]) for s in (1, 2, 3)]  # type: ignore[operator]
     v = verdict_of(rs)
-    assert v.kind is ab.Verdict.INCONCLUSIVE
+    assert v.kind is ab.ABVerdict.INCONCLUSIVE
     assert any("beyond sampling error" in r for r in v.reasons)
 
 
@@ -274,7 +274,7 @@ def test_exit_codes_follow_the_verdict() -> None:
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2)]
     rs += [resp("spec", s, draft_like(s)) for s in (1, 2)]
     fault = ab.analyse(ab.Settings(seeds=2), rs, {"plain": "http://p", "spec": "http://s"})
-    assert fault.verdict.kind is ab.Verdict.INSTRUMENT_FAULT and fault.exit_code == 1
+    assert fault.verdict.kind is ab.ABVerdict.INSTRUMENT_FAULT and fault.exit_code == 1
 
 
 def test_uses_draft() -> None:

@@ -1,47 +1,28 @@
 """`specaudit ab` error paths: one line on stderr, exit 2, no traceback, no server needed.
 
 The unreachable URL is a real closed port on 127.0.0.1 (nothing listens there), not a fake.
+In-process runs go through the shared `cli` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
 
-from specaudit.cli import main
 from specaudit.llama import free_port
 
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
+CliFn = Callable[..., tuple[int, str, str]]
 
 
-def run_cli(*args: str) -> Result:
-    """`specaudit ab ARGS` in-process (fast); the exit code is what main() exits with."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(["ab", *args])
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return Result(code, out.getvalue(), err.getvalue())
-
-
-def assert_one_line_error(r: Result | subprocess.CompletedProcess[str], needle: str) -> None:
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
+def assert_one_line_error(code: int, stdout: str, stderr: str, needle: str) -> None:
+    assert code == 2, (stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
-    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert "Traceback" not in stderr and stdout == ""
 
 
 @pytest.mark.parametrize(
@@ -60,14 +41,14 @@ def assert_one_line_error(r: Result | subprocess.CompletedProcess[str], needle: 
         (["--plain", "127.0.0.1:9", "--spec", "http://127.0.0.1:9"], "http(s) URL"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
-    assert_one_line_error(run_cli(*args), needle)
+def test_bad_input_exits_2_with_one_line(cli: CliFn, args: list[str], needle: str) -> None:
+    assert_one_line_error(*cli("ab", *args), needle)
 
 
-def test_unreachable_url_exits_2_with_one_line() -> None:
+def test_unreachable_url_exits_2_with_one_line(cli: CliFn) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    r = run_cli("--plain", url, "--spec", url, "--seeds", "2", "--tokens", "4")
-    assert_one_line_error(r, "cannot connect")
+    r = cli("ab", "--plain", url, "--spec", url, "--seeds", "2", "--tokens", "4")
+    assert_one_line_error(*r, "cannot connect")
 
 
 def test_unreachable_url_as_a_process() -> None:
@@ -79,11 +60,11 @@ def test_unreachable_url_as_a_process() -> None:
         text=True,
         timeout=120,
     )
-    assert_one_line_error(r, "cannot connect")
+    assert_one_line_error(r.returncode, r.stdout, r.stderr, "cannot connect")
 
 
-def test_help_documents_exit_codes() -> None:
-    r = run_cli("--help")
-    assert r.returncode == 0
-    for code in ("0  consistent", "1  instrument fault", "2  inconclusive"):
-        assert code in r.stdout
+def test_help_documents_exit_codes(cli: CliFn) -> None:
+    code, out, _ = cli("ab", "--help")
+    assert code == 0
+    for needle in ("0  consistent", "1  instrument fault", "2  inconclusive"):
+        assert needle in out

@@ -205,13 +205,18 @@ def test_request_bodies() -> None:
     assert {"seed": 3, "temperature": 0.5}.items() <= nat.items()
 
 
-def test_bad_options_raise() -> None:
-    with pytest.raises(check.CheckError):
-        check.run("http://127.0.0.1:1", endpoint="nope")
-    with pytest.raises(check.CheckError):
-        check.run("http://127.0.0.1:1", top_k=0)
-    with pytest.raises(check.CheckError):
-        check.run("http://127.0.0.1:1", tokens=1)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"endpoint": "nope"}, "unknown endpoint 'nope'"),
+        ({"top_k": 0}, "--top-k must be at least 1"),
+        ({"tokens": 1}, "--tokens must be at least 2"),
+    ],
+)
+def test_bad_options_raise(kwargs: dict[str, Any], message: str) -> None:
+    # Port 1 is closed: had validation not fired first, the error would be about connecting.
+    with pytest.raises(check.CheckError, match=message):
+        check.run("http://127.0.0.1:1", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 from specaudit import dist, fixtures
 from specaudit.cli import main
+from specaudit.outcome import Outcome
 from specaudit.stats import Verdict
 
 DATA = Path(__file__).parent.parent / "data" / "dist"
@@ -118,7 +119,7 @@ def test_text_that_is_not_the_fixture_is_an_error() -> None:
 
 def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None:
     truth = dist.Truth(SPEC, WL)
-    seq = dist._Sequential(truth, WL, 1e-3, 0.15, 1000)
+    seq = dist.Sequential(truth, WL, 1e-3, 0.15, 1000)
     n = 0
     for s in draw(SPEC, WL, 1000, seed=6, bend=_always_e_after_f):
         n += 1
@@ -126,12 +127,26 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
             break
     assert seq.verdict is Verdict.BROKEN and seq.decided_by == "e-value"
     assert n <= 50
-    seq = dist._Sequential(truth, WL, 0.01, 0.15, 3000)
+    seq = dist.Sequential(truth, WL, 0.01, 0.15, 3000)
     for s in draw(SPEC, WL, 3000, seed=7):
         if seq.add(s):
             break
     assert seq.verdict is Verdict.PRESERVED and seq.decided_by == "tv-bound"
     assert seq.looks >= 1
+
+
+def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
+    good = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="good")
+    few = dist.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2), engine="few")
+    bad = dist.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+
+    def result(*engines: dist.EngineResult) -> dist.DistResult:
+        return dist.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, False, list(engines))
+
+    assert (result(good).outcome, result(good).exit_code) == (Outcome.OK, 0)
+    assert (result(good, few).outcome, result(good, few).exit_code) == (Outcome.NO_DECISION, 2)
+    assert (result(few, bad).outcome, result(few, bad).exit_code) == (Outcome.FINDING, 1)
+    assert result().exit_code == 2  # no engine, no decision
 
 
 def test_markdown_and_plot(tmp_path: Path) -> None:
@@ -164,6 +179,37 @@ def test_parse_example_output_detects_lost_tails() -> None:
     assert dist.parse_example_output("\n\nbcdbcf", err, "bcdbc") is None
     assert dist.parse_example_output(out, err.split("n_drafted")[0], "bcdbc") is None
     assert dist.parse_example_output(out, err, "dcb") is None
+
+
+def test_spawn_server_sizes_the_fixture_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread, the fixture's whole context per slot, -np as asked; a draft only with one."""
+    from specaudit.llama.build import LlamaBinaries
+    from specaudit.llama.server import LlamaServer
+
+    monkeypatch.setattr(LlamaServer, "__enter__", lambda self: self)
+    monkeypatch.setattr(LlamaServer, "__exit__", lambda self, *exc: None)
+    fs = fixtures.build(tmp_path / "fx")
+    bins = LlamaBinaries(tmp_path / "bin", 11434, "stock")
+    for draft in (False, True):
+        with dist.spawn_server(bins, fs, draft=draft, parallel=3, log_dir=tmp_path) as srv:
+            argv = srv.argv()
+            assert srv.name == ("dist-spec" if draft else "dist-plain")
+            assert srv.log_path == tmp_path / f"{srv.name}.log"
+            assert argv[argv.index("-np") + 1] == "3"
+            assert argv[argv.index("-c") + 1] == str(3 * fs.spec.config.context_length)
+            assert argv[argv.index("-t") + 1] == "1"
+            assert ("-md" in argv) is draft and ("--spec-type" in argv) is draft
+            if draft:
+                assert argv[argv.index("--spec-type") + 1] == "draft-simple"
+
+
+def test_unreachable_url_is_a_dist_error() -> None:
+    from specaudit.llama.server import free_port
+
+    with pytest.raises(dist.DistError, match="127.0.0.1"):
+        dist.ServerEngine(f"http://127.0.0.1:{free_port()}", SPEC, WL)
 
 
 def test_example_engine_needs_its_binary(tmp_path: Path) -> None:

@@ -305,3 +305,12 @@ def test_overwhelming_evidence_is_tiny_but_only_impossibility_is_zero() -> None:
     huge = stats.multinomial_gof([100_000, 0, 0], P3)
     assert 0 < huge.p_value < 1e-300 and huge.method == "g-test"
     assert stats.multinomial_gof([1, 0, 0, 1], P3 + [0.0]).p_value == 0.0
+
+
+def test_verdicts_map_onto_the_shared_outcomes() -> None:
+    from specaudit.outcome import Outcome
+
+    assert Verdict.PRESERVED.outcome is Outcome.OK
+    assert Verdict.BROKEN.outcome is Outcome.FINDING
+    assert Verdict.INCONCLUSIVE.outcome is Outcome.NO_DECISION
+    assert [v.outcome.exit_code for v in Verdict] == [0, 1, 2]

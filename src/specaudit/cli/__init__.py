@@ -1,23 +1,120 @@
 """The `specaudit` command line: argument parsing and rendering only; the work is in the library.
 
-Each command lives in its own module here and is registered below. Errors a user can cause
-are `SpecauditError`s: printed as one line on stderr, exit code from `specaudit.errors`.
+Each command lives in its own module here and is loaded only when it runs (or its own --help
+is asked for): `specaudit --version` and `specaudit --help` import no command module, so no
+numpy, scipy or matplotlib. Errors a user can cause are `SpecauditError`s: printed as one line
+on stderr, exit code from the error (see `specaudit.outcome`).
 """
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
+from collections.abc import Mapping
 from types import FrameType
+from typing import Any
 
 import click
 
 from specaudit import __version__
-from specaudit.cli.common import EXIT_CODES_HELP
-from specaudit.errors import EXIT_ERROR, SpecauditError
+from specaudit.errors import SpecauditError
+from specaudit.outcome import EXIT_CODES_HELP, EXIT_INTERRUPTED, EXIT_NO_DECISION
+
+# name -> "module:attribute" of the click command.
+COMMANDS: dict[str, str] = {
+    "ab": "specaudit.cli.ab_cmd:command",
+    "audit": "specaudit.cli.audit_cmd:command",
+    "check": "specaudit.cli.check_cmd:command",
+    "dist": "specaudit.cli.dist_cmd:command",
+    "fixtures": "specaudit.cli.fixtures_cmd:command",
+    "llama": "specaudit.cli.llama_cmd:command",
+    "proxy": "specaudit.cli.proxy_cmd:command",
+}
+
+# The group's --help lists these without importing the commands. Each is the first sentence of
+# the command's docstring (click's short help); tests/unit/test_cli.py checks they agree.
+SHORT_HELP: dict[str, str] = {
+    "ab": "Sample the same prompt and seeds from a plain and a speculating server and compare "
+    "the mean logprob a client would compute (naive) with the mean over real tokens.",
+    "audit": "Provision llama.cpp, fixtures and Gemma 3 270M, start plain and speculating "
+    "servers, and audit them: what /slots and /props say, placeholder logprobs, aggregates, "
+    "sampling distributions, the proxy, and the patched server.",
+    "check": "Check whether the logprobs a server at URL returns are real.",
+    "dist": "Prove whether speculative decoding preserves the sampling distribution.",
+    "fixtures": "Tiny GGUF models with exactly known next-token distributions.",
+    "llama": "Build and locate the llama.cpp binaries (llama-server, llama-speculative...).",
+    "proxy": "Route logprobs requests to a plain llama-server and the rest to a speculating one.",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use.
+
+    `lazy_commands` maps a command name to ``"module:attribute"``; `short_help` gives the line
+    the group's --help shows for each, so listing the commands imports none of them. A
+    command module that fails to import raises: it is a bug, never silently skipped.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        lazy_commands: Mapping[str, str] | None = None,
+        short_help_table: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands: dict[str, str] = dict(lazy_commands or {})
+        self.short_help_table: dict[str, str] = dict(short_help_table or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands:
+            return self.commands[cmd_name]
+        target = self.lazy_commands.get(cmd_name)
+        if target is None:
+            return None
+        cmd = load_command(target)
+        self.add_command(cmd, cmd_name)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """As click's, but lazy commands' short help comes from the table (no import)."""
+        rows: list[tuple[str, str]] = []
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        for name in names:
+            if name in self.commands or name not in self.short_help_table:
+                cmd = self.get_command(ctx, name)
+                if cmd is None or cmd.hidden:
+                    continue
+                rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                # A throwaway command shortens the text exactly as click would the real one.
+                stub = click.Command(name, help=self.short_help_table[name])
+                rows.append((name, stub.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def load_command(target: str) -> click.Command:
+    """Import ``"module:attribute"`` and return that click command; errors propagate."""
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    cmd = getattr(module, attr)
+    if not isinstance(cmd, click.Command):
+        raise TypeError(f"{target} is {type(cmd).__name__}, not a click command")
+    return cmd
 
 
 @click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    short_help_table=SHORT_HELP,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=EXIT_CODES_HELP,
 )
@@ -32,47 +129,41 @@ def cli() -> None:
     """
 
 
-def _register() -> None:
-    from specaudit.cli import audit_cmd, fixtures_cmd, llama_cmd
-
-    for mod in (llama_cmd, fixtures_cmd, audit_cmd):
-        cli.add_command(mod.command)
-    import importlib
-
-    # Capability commands register themselves if their module is present.
-    for name in ("check_cmd", "ab_cmd", "dist_cmd", "proxy_cmd"):
-        try:
-            mod = importlib.import_module(f"specaudit.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"specaudit.cli.{name}":
-                raise
-            continue
-        cli.add_command(mod.command)
-
-
 def _sigterm(signum: int, frame: FrameType | None) -> None:
     # Turn SIGTERM into an exception so context managers stop the servers we started.
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    signal.signal(signal.SIGTERM, _sigterm)
-    _register()
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI and return its exit code; errors are one `error:` line on stderr.
+
+    `main` is this plus `sys.exit`; tests call it in-process (tests/conftest.py).
+    """
     try:
         rc = cli.main(args=argv, prog_name="specaudit", standalone_mode=False)
+    except SystemExit as e:
+        # a command's own exit code (raise SystemExit(result.exit_code)); a message: re-raise
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        raise
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
-        sys.exit(130)
+        return EXIT_INTERRUPTED
     except click.ClickException as e:
         # usage errors: one line, exit 2
         msg = e.format_message().splitlines()[0] if e.format_message() else str(e)
         click.echo(f"error: {msg}", err=True)
-        sys.exit(e.exit_code if e.exit_code else EXIT_ERROR)
+        return e.exit_code if e.exit_code else EXIT_NO_DECISION
     except SpecauditError as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         click.echo("error: interrupted", err=True)
-        sys.exit(130)
-    sys.exit(rc if isinstance(rc, int) else 0)
+        return EXIT_INTERRUPTED
+    return rc if isinstance(rc, int) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    signal.signal(signal.SIGTERM, _sigterm)
+    sys.exit(run(argv))

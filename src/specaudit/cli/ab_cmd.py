@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from specaudit import ab
-from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
+from specaudit import ab, progress
+from specaudit.cli.common import (
+    console,
+    emit_json,
+    ensure_binaries,
+    json_option,
+    out,
+    prompt_option,
+    sample_progress,
+    seeds_option,
+    tokens_option,
+    top_k_option,
+)
+from specaudit.outcome import EXIT_FINDING, EXIT_OK
 
 AB_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -22,45 +30,20 @@ AB_EXIT_HELP = (
 )
 
 
-@contextlib.contextmanager
-def _progress(total_hint: int) -> Iterator[ab.ProgressFn]:
-    """A rich progress bar over responses (on stderr; silent when it is not a terminal)."""
-    with Progress(
-        TextColumn("[bold]sampling"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("responses"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    ) as prog:
-        task = prog.add_task("sampling", total=total_hint)
-
-        def cb(done: int, total: int) -> None:
-            prog.update(task, completed=done, total=total)
-
-        yield cb
+def _status(msg: str) -> None:
+    progress.say("ab", msg, console=console)
 
 
 @click.command("ab", epilog=AB_EXIT_HELP)
 @click.option("--plain", "plain_url", metavar="URL", help="Server started without speculation.")
 @click.option("--spec", "spec_url", metavar="URL", help="Server that speculates.")
-@click.option(
-    "--seeds",
-    type=click.IntRange(min=1),
+@seeds_option(
     default=ab.DEFAULT_SEEDS,
-    show_default=True,
+    min_value=1,
     help="Seeds per side (1..N), sent concurrently up to each server's slots.",
 )
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=1),
-    default=ab.DEFAULT_TOKENS,
-    show_default=True,
-    help="Tokens per response.",
-)
-@click.option("--prompt", default=ab.DEFAULT_PROMPT, show_default=True, help="User prompt.")
+@tokens_option(default=ab.DEFAULT_TOKENS, min_value=1, help="Tokens per response.")
+@prompt_option(default=ab.DEFAULT_PROMPT, help="User prompt.")
 @click.option(
     "--temperature",
     type=click.FloatRange(min=0),
@@ -68,12 +51,9 @@ def _progress(total_hint: int) -> Iterator[ab.ProgressFn]:
     show_default=True,
     help="Sampling temperature.",
 )
-@click.option(
-    "--top-k",
+@top_k_option(
     "top_logprobs",
-    type=click.IntRange(min=1),
     default=ab.DEFAULT_TOP_LOGPROBS,
-    show_default=True,
     help="Candidates requested per token (top_logprobs / n_probs), as in check.",
 )
 @click.option(
@@ -165,7 +145,8 @@ def command(
         endpoint=endpoint,
     )
     bins = None if plain_url is not None else ensure_binaries()  # its own progress bar
-    with _progress(2 * seeds) as cb:
+    # A live bar on a terminal; silent off one (the result is the output).
+    with sample_progress("sampling", 2 * seeds, unit="responses", quiet=True) as cb:
         if plain_url is not None and spec_url is not None:
             result = ab.run(plain_url, spec_url, settings, plot=plot, progress=cb)
         else:
@@ -178,7 +159,7 @@ def command(
                 log_dir=log_dir,
                 plot=plot,
                 progress=cb,
-                status=lambda msg: console.print(f"[dim]ab: {msg}[/dim]", highlight=False),
+                status=_status,
             )
     if as_json:
         emit_json(result)
@@ -188,6 +169,8 @@ def command(
 
 
 def _render(result: ab.ABResult) -> None:
+    from rich.table import Table
+
     if not out.is_terminal:
         # Off a terminal rich squeezes tables into 80 columns: print Markdown, which pastes.
         click.echo(ab.markdown(result))
@@ -224,10 +207,7 @@ def _render(result: ab.ABResult) -> None:
         out.print(ab.side_line(result.side(side)), highlight=False)
     out.print(ab.delta_line(result.delta_naive, st.confidence), highlight=False)
     out.print(ab.delta_line(result.delta_real, st.confidence), highlight=False)
-    style = {
-        ab.Verdict.INSTRUMENT_FAULT: "bold red",
-        ab.Verdict.CONSISTENT: "bold green",
-    }.get(result.verdict.kind, "bold yellow")
+    style = {EXIT_FINDING: "bold red", EXIT_OK: "bold green"}.get(result.exit_code, "bold yellow")
     out.print(f"[{style}]verdict[/{style}]: {result.verdict.message}", highlight=False)
     for r in result.verdict.reasons:
         out.print(f"  - {r}", highlight=False)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.markdown import Markdown
 
-from specaudit import audit, llama
+from specaudit import llama, progress
 from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
-from specaudit.errors import EXIT_ERROR, EXIT_OK
-from specaudit.llama.build import LlamaBinaries
+
+if TYPE_CHECKING:
+    from specaudit.llama.build import LlamaBinaries
 
 AUDIT_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -42,6 +43,7 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     """Provision llama.cpp, fixtures and Gemma 3 270M, start plain and speculating servers,
     and audit them: what /slots and /props say, placeholder logprobs, aggregates,
     sampling distributions, the proxy, and the patched server."""
+    from specaudit import audit
 
     # Build (or find) every binary first, with its own progress bar: one live display at a time.
     prebuilt: dict[tuple[str, ...], LlamaBinaries] = {(): ensure_binaries(build)}
@@ -51,22 +53,19 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     def ensure(b: int, patches: tuple[str, ...]) -> LlamaBinaries:
         return prebuilt.get(patches) or llama.ensure(b, patches)
 
-    with console.status("auditing") as status:
-        report = audit.run(
-            out_dir,
-            build=build,
-            only=only,
-            progress=lambda m: status.update(f"audit: {m}"),
-            ensure_bins=ensure,
-        )
+    # On a terminal a live status line; off one, a line per step: [specaudit] audit: ...
+    with progress.steps("audit", console=console) as step:
+        report = audit.run(out_dir, build=build, only=only, progress=step, ensure_bins=ensure)
     if as_json:
         emit_json(audit.to_json(report))
     else:
         md = audit.to_markdown(report)
         # Rich's Markdown squeezes wide tables into 80 columns off a terminal: print it raw.
         if out.is_terminal:
+            from rich.markdown import Markdown
+
             out.print(Markdown(md))
         else:
             click.echo(md)
         out.print(f"\nreport: {out_dir / 'report.md'}  {out_dir / 'report.json'}", highlight=False)
-    raise SystemExit(EXIT_ERROR if report.errors else EXIT_OK)
+    raise SystemExit(report.exit_code)  # 2 if a section could not run, else 0

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import click
-from rich.table import Table
+from typing import TYPE_CHECKING
 
-from specaudit.check import (
-    DEFAULT_PROMPT,
-    ENDPOINT_GROUPS,
-    PROBE_LABELS,
-    CheckResult,
-    endpoint_verdict,
-    token_rows,
+import click
+
+# specaudit.check is light (no numpy/scipy): its defaults and choices feed the options below.
+from specaudit.check import DEFAULT_PROMPT, ENDPOINT_GROUPS
+from specaudit.cli.common import (
+    emit_json,
+    json_option,
+    out,
+    prompt_option,
+    tokens_option,
+    top_k_option,
 )
-from specaudit.cli.common import emit_json, json_option, out
+
+if TYPE_CHECKING:
+    from specaudit.check import CheckResult
 
 CHECK_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -27,20 +32,8 @@ CHECK_EXIT_HELP = (
 
 @click.command("check", epilog=CHECK_EXIT_HELP)
 @click.argument("url")
-@click.option(
-    "--top-k",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Candidates requested per token (top_logprobs / n_probs).",
-)
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=2),
-    default=24,
-    show_default=True,
-    help="Tokens to generate per request.",
-)
+@top_k_option()
+@tokens_option(default=24, min_value=2, help="Tokens to generate per request.")
 @click.option(
     "--endpoint",
     type=click.Choice(list(ENDPOINT_GROUPS)),
@@ -49,10 +42,8 @@ CHECK_EXIT_HELP = (
     help="chat = /v1/chat/completions; completion = /v1/completions and native /completion "
     "(n_probs, with and without post_sampling_probs); completions / native = one of those.",
 )
-@click.option(
-    "--prompt",
+@prompt_option(
     default=DEFAULT_PROMPT,
-    show_default=True,
     help="Prompt (chat: the user message). Must be text the model can tokenize.",
 )
 @click.option("--seed", type=int, default=1, show_default=True)
@@ -130,6 +121,10 @@ def to_json(result: CheckResult) -> dict[str, object]:
 
 
 def render(result: CheckResult, tokens_tables: bool = True) -> None:
+    from rich.table import Table
+
+    from specaudit.check import PROBE_LABELS, endpoint_verdict, token_rows
+
     if tokens_tables:
         for r in result.endpoints:
             if not r.tokens:

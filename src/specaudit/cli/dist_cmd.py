@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specaudit import dist, fixtures
-from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
-from specaudit.errors import EXIT_ERROR, EXIT_FINDING, EXIT_OK
-from specaudit.stats import Verdict
+from specaudit import dist, progress
+from specaudit.cli.common import (
+    console,
+    emit_json,
+    ensure_binaries,
+    json_option,
+    out,
+    prompt_option,
+    seeds_option,
+    tokens_option,
+)
+from specaudit.outcome import Outcome
 
 DIST_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -25,38 +29,6 @@ DIST_EXIT_HELP = (
     "     fixture, unreachable server, failed build\n"
     "  130 interrupted"
 )
-
-
-@contextlib.contextmanager
-def _progress() -> Iterator[dist.ProgressFn]:
-    """One bar per engine on a terminal; a line per 10% otherwise."""
-    if sys.stderr.isatty():
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as prog:
-            tasks: dict[str, Any] = {}
-
-            def cb(label: str, done: int, total: int) -> None:
-                if label not in tasks:
-                    tasks[label] = prog.add_task(label, total=total)
-                prog.update(tasks[label], completed=done)
-
-            yield cb
-    else:
-        last: dict[str, int] = {}
-
-        def cb(label: str, done: int, total: int) -> None:
-            step = max(total // 10, 1)
-            if done // step != last.get(label, -1) or done == total:
-                last[label] = done // step
-                print(f"[specaudit] dist {label}: {done}/{total}", file=sys.stderr)
-
-        yield cb
 
 
 def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Table:
@@ -81,11 +53,11 @@ def render(res: dist.DistResult) -> None:
         highlight=False,
     )
     out.print("expected = closed form from the fixture's definition", style="dim")
-    colours = {Verdict.PRESERVED: "green", Verdict.BROKEN: "red", Verdict.INCONCLUSIVE: "yellow"}
+    colours = {Outcome.OK: "green", Outcome.FINDING: "red", Outcome.NO_DECISION: "yellow"}
     for e in res.engines:
         out.print()
         out.print(
-            f"[bold]{e.engine}[/bold]: [{colours[e.verdict]}]{e.verdict.value}[/] "
+            f"[bold]{e.engine}[/bold]: [{colours[e.verdict.outcome]}]{e.verdict.value}[/] "
             f"(seeds {e.first_seed}..{e.last_seed}, {e.n_samples} samples"
             + (f", {dist.draft_cell(e)}" if e.drafted is not None else "")
             + f", {e.samples_per_s:.0f} samples/s)",
@@ -125,28 +97,22 @@ def render(res: dist.DistResult) -> None:
     help="Fixture directory from `specaudit fixtures build` (SHA-256 checked) "
     "[default: the built-in fixture, built fresh].",
 )
-@click.option("--prompt", help="Prompt, in the fixture's letters [default: the fixture's].")
-@click.option(
-    "--tokens",
-    type=int,
+@prompt_option(default=None, help="Prompt, in the fixture's letters [default: the fixture's].")
+@tokens_option(
     default=dist.DEFAULT_TOKENS,
-    show_default=True,
     help=f"Tokens generated per sample (at least {dist.MIN_TOKENS}, so the server drafts).",
 )
 @click.option("--positions", type=int, help="Positions tested, 1..N [default: --tokens].")
 @click.option(
     "--joint", type=int, help="Test the joint distribution of the first N positions [default: 3]."
 )
+# the sampler's top-k (not logprob candidates as in check/ab): its own option
 @click.option("--top-k", type=int, default=3, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--temperature", "--temp", type=float, default=1.0, show_default=True)
-@click.option(
-    "--seeds",
-    type=int,
-    default=1000,
-    show_default=True,
-    help="Samples per engine: seeds S..S+N-1 (the maximum with --sequential).",
+@seeds_option(
+    default=1000, help="Samples per engine: seeds S..S+N-1 (the maximum with --sequential)."
 )
 @click.option("--seed-start", type=int, default=1, show_default=True, help="First seed S.")
 @click.option("--alpha", type=float, default=dist.DEFAULT_ALPHA, show_default=True)
@@ -210,6 +176,8 @@ def command(
         or (jobs is not None and jobs < 1)
     ):
         raise dist.DistError("--parallel, --concurrency and --jobs must be at least 1")
+    from specaudit import fixtures
+
     sampler = fixtures.SamplerSettings(
         top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature
     )
@@ -229,7 +197,12 @@ def command(
         tolerance=tolerance,
     )
     bins = ensure_binaries() if dist.needs_binaries(engines) else None
-    with _progress() as cb:
+    # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
+    with progress.bars(console=console) as bars:
+
+        def cb(label: str, done: int, total: int) -> None:
+            bars(f"dist {label}", done, total)
+
         res = dist.run(
             engines,
             fixture=fs,
@@ -260,7 +233,4 @@ def command(
         click.echo(dist.to_markdown(res))
         if res.plot is not None:
             click.echo(f"\nplot: {res.plot}")
-    v = res.verdict
-    raise SystemExit(
-        EXIT_FINDING if v is Verdict.BROKEN else EXIT_OK if v is Verdict.PRESERVED else EXIT_ERROR
-    )
+    raise SystemExit(res.exit_code)  # PRESERVED 0, BROKEN 1, INCONCLUSIVE 2

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from specaudit.cli.common import EXIT_CODES_HELP, emit_json, json_option, out
+from specaudit.cli.common import emit_json, json_option, out
+from specaudit.outcome import EXIT_CODES_HELP
 
 
 @click.group("fixtures", epilog=EXIT_CODES_HELP)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from specaudit import llama
-from specaudit.cli.common import EXIT_CODES_HELP, emit_json, ensure_binaries, json_option, out
+from specaudit.cli.common import emit_json, ensure_binaries, json_option, out
 from specaudit.errors import BuildError
+from specaudit.outcome import EXIT_CODES_HELP
 
 
 @click.group("llama", epilog=EXIT_CODES_HELP)

@@ -8,7 +8,8 @@ import sys
 
 import click
 
-from specaudit.cli.common import EXIT_CODES_HELP, console, emit_json, json_option
+from specaudit.cli.common import console, emit_json, json_option
+from specaudit.outcome import EXIT_CODES_HELP
 
 EPILOG = (
     "\b\nRouting: a request with logprobs: true, top_logprobs > 0 or n_probs > 0 goes to\n"
@@ -20,9 +21,9 @@ EPILOG = (
     + EXIT_CODES_HELP.replace(
         "  0  OK: nothing found (every logprob real, distribution preserved, ...)",
         "  0  stopped cleanly (SIGINT or SIGTERM)",
-    ).replace(
-        "  1  finding: placeholders found, distribution broken, instrument fault, ...\n", ""
-    ).replace(
+    )
+    .replace("  1  finding: placeholders found, distribution broken, instrument fault, ...\n", "")
+    .replace(
         "  2  no decision: bad input, unreachable or non-LLM server, failed build",
         "  2  could not start: the plain backend speculates, port taken, bad URL",
     )
@@ -30,31 +31,83 @@ EPILOG = (
 
 
 @click.command("proxy", epilog=EPILOG)
-@click.option("--plain", "plain", required=True, metavar="URL",
-              help="llama-server started WITHOUT speculation: serves every logprobs request.")
-@click.option("--spec", "spec", required=True, metavar="URL",
-              help="Speculating llama-server: serves every other request.")
-@click.option("--listen", default="127.0.0.1:8081", show_default=True, metavar="HOST:PORT",
-              help="Where to listen (port 0: any free port).")
-@click.option("--on-plain-down", type=click.Choice(["error", "annotate"]), default="error",
-              show_default=True,
-              help="Logprobs request while plain is down or unfit: 503, or serve it from --spec "
-              "with placeholders rewritten to logprob null.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024,
-              show_default=True, help="Largest request body accepted (413 above).")
-@click.option("--connect-timeout", type=click.FloatRange(min=0.001), default=5.0,
-              show_default=True, help="Seconds to connect to a backend.")
-@click.option("--read-timeout", type=click.FloatRange(min=0.001), default=600.0,
-              show_default=True,
-              help="Longest silence from a backend, in seconds, before 504 (or an error event).")
-@click.option("--check-interval", type=click.FloatRange(min=0.1), default=10.0,
-              show_default=True, help="Seconds between /slots role checks.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="info", show_default=True, help="Access and state logs, on stderr.")
+@click.option(
+    "--plain",
+    "plain",
+    required=True,
+    metavar="URL",
+    help="llama-server started WITHOUT speculation: serves every logprobs request.",
+)
+@click.option(
+    "--spec",
+    "spec",
+    required=True,
+    metavar="URL",
+    help="Speculating llama-server: serves every other request.",
+)
+@click.option(
+    "--listen",
+    default="127.0.0.1:8081",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Where to listen (port 0: any free port).",
+)
+@click.option(
+    "--on-plain-down",
+    type=click.Choice(["error", "annotate"]),
+    default="error",
+    show_default=True,
+    help="Logprobs request while plain is down or unfit: 503, or serve it from --spec "
+    "with placeholders rewritten to logprob null.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=4 * 1024 * 1024,
+    show_default=True,
+    help="Largest request body accepted (413 above).",
+)
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0.001),
+    default=5.0,
+    show_default=True,
+    help="Seconds to connect to a backend.",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0.001),
+    default=600.0,
+    show_default=True,
+    help="Longest silence from a backend, in seconds, before 504 (or an error event).",
+)
+@click.option(
+    "--check-interval",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Seconds between /slots role checks.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="Access and state logs, on stderr.",
+)
 @json_option
-def command(plain: str, spec: str, listen: str, on_plain_down: str, max_body_bytes: int,
-            connect_timeout: float, read_timeout: float, check_interval: float, log_level: str,
-            as_json: bool) -> None:
+def command(
+    plain: str,
+    spec: str,
+    listen: str,
+    on_plain_down: str,
+    max_body_bytes: int,
+    connect_timeout: float,
+    read_timeout: float,
+    check_interval: float,
+    log_level: str,
+    as_json: bool,
+) -> None:
     """Route logprobs requests to a plain llama-server and the rest to a speculating one.
 
     A speculating llama-server returns placeholder logprobs (0.0, no candidates). This
@@ -85,9 +138,11 @@ def command(plain: str, spec: str, listen: str, on_plain_down: str, max_body_byt
         else:
             console.print(f"[bold]specaudit proxy[/] listening on {p.url}", highlight=False)
             for b in p.backends.values():
-                console.print(f"  {b.role:5} {b.url}  {b.state.value}: {b.detail}"
-                              + (f"  [yellow]warning: {b.warning}[/]" if b.warning else ""),
-                              highlight=False)
+                console.print(
+                    f"  {b.role:5} {b.url}  {b.state.value}: {b.detail}"
+                    + (f"  [yellow]warning: {b.warning}[/]" if b.warning else ""),
+                    highlight=False,
+                )
         sys.stdout.flush()
 
     handler = logging.StreamHandler(sys.stderr)

@@ -18,7 +18,6 @@ from specaudit.proxy.backends import BackendStatus, State
 from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError, parse_listen
 from specaudit.proxy.routing import Kind, Plan, RequestError, Route
 from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
-from specaudit.proxy.section import audit_section
 from specaudit.proxy.server import (
     H_ANNOTATED,
     H_BACKEND,
@@ -47,7 +46,6 @@ __all__ = [
     "Route",
     "RunningProxy",
     "State",
-    "audit_section",
     "parse_listen",
     "run",
     "serve_in_thread",

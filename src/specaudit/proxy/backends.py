@@ -1,8 +1,8 @@
 """Role verification: does each backend do what its role promises?
 
 Why /slots: llama-server's ``/props`` says ``speculative.types: none`` even when it speculates;
-``/slots`` reports ``"speculative": true`` per slot (the same reading `specaudit.client`'s
-``Client.slots`` does). A "plain" backend that speculates would return placeholders for every
+``/slots`` reports ``"speculative": true`` per slot (read by `specaudit.speculation`, the one
+place that parses it). A "plain" backend that speculates would return placeholders for every
 logprobs request, so it must not serve them. A "spec" backend that does not speculate only
 costs speed, so that is a warning.
 """
@@ -18,6 +18,8 @@ from enum import StrEnum
 from typing import Any
 
 import aiohttp
+
+from specaudit import speculation
 
 
 class State(StrEnum):
@@ -122,13 +124,14 @@ def assess(status: BackendStatus, p: Probe) -> None:
         status.state = State.DOWN
         status.detail = f"/health answered HTTP {p.health_status} (loading or failing)"
         return
-    if p.slots is None:
+    reading = speculation.parse_slots(p.slots) if p.slots is not None else None
+    if reading is None or reading.total is None:
         status.speculating = None
         status.slots = status.slots_speculative = None
         status.state = State.UP
         status.detail = "reachable"
         why = (
-            f"/slots answered HTTP {p.slots_status}"
+            (f"/slots answered HTTP {p.slots_status}" if reading is None else reading.note or "")
             + (
                 " (set SPECAUDIT_" + status.role.upper() + "_API_KEY)"
                 if p.slots_status in (401, 403)
@@ -142,8 +145,7 @@ def assess(status: BackendStatus, p: Probe) -> None:
             "token by token"
         )
         return
-    n = len(p.slots)
-    k = sum(1 for s in p.slots if isinstance(s, dict) and s.get("speculative") is True)
+    n, k = reading.total, reading.speculative or 0
     status.slots, status.slots_speculative = n, k
     status.speculating = k > 0
     if status.role == "plain":

@@ -1,4 +1,4 @@
-"""The proxy's audit section: one logprobs request and one plain request through the proxy in
+"""The audit's proxy section: one logprobs request and one plain request through the proxy in
 front of the audit's own plain and speculating servers (fixture and Gemma).
 
 It shows what the proxy is for: the logprobs request comes back with real values on every
@@ -9,15 +9,15 @@ placeholders), and the plain request is served by the speculating server (``draf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from specaudit import logprobs
+from specaudit.audit.context import AuditContext, Section
+from specaudit.outcome import Outcome
+from specaudit.proxy import H_BACKEND, ProxyConfig, serve_in_thread
 from specaudit.report import md_table
-
-if TYPE_CHECKING:
-    from specaudit.audit import AuditContext, Section
 
 TOP = 3
 
@@ -77,8 +77,6 @@ def _row(model: str, request: str, via: str, backend: str | None, r: httpx.Respo
 
 def demo(proxy_url: str, spec_url: str, model: str, timeout: float = 300.0) -> list[DemoRow]:
     """The three requests of the section against a running proxy."""
-    from specaudit.proxy.server import H_BACKEND
-
     rows = []
     with httpx.Client(timeout=timeout) as c:
         path = "/v1/chat/completions"
@@ -112,11 +110,7 @@ def problems(rows: list[DemoRow]) -> list[str]:
     return out
 
 
-def audit_section(ctx: AuditContext) -> Section:
-    from specaudit.audit import Section
-    from specaudit.proxy.config import ProxyConfig
-    from specaudit.proxy.runner import serve_in_thread
-
+def section(ctx: AuditContext) -> Section:
     rows: list[DemoRow] = []
     for model in ("fixture", "gemma"):
         plain, spec = ctx.server(f"{model}-plain"), ctx.server(f"{model}-spec")
@@ -150,7 +144,7 @@ def audit_section(ctx: AuditContext) -> Section:
         title="Proxy: real logprobs for those who ask, speed for the rest",
         markdown=table + "\n\n" + verdict,
         data={"rows": rows, "problems": bad},
-        status="finding" if bad else "ok",
+        status=Outcome.FINDING if bad else Outcome.OK,
         summary=("proxy routes correctly: logprobs all real, other requests speculate"
                  if not bad else f"proxy problem: {bad[0]}"),
     )

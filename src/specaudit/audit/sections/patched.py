@@ -1,4 +1,5 @@
-"""Stock vs patched llama-server, proven with specaudit's own instruments.
+"""The audit's patched section: stock vs patched llama-server, proven with specaudit's own
+instruments.
 
 The `spec-logprobs` patch (src/specaudit/patches/llama.cpp/b11434/, explained in
 docs/spec-logprobs-patch.md) makes a speculating llama-server report the target's real
@@ -13,8 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from specaudit import ab, check, dist
-from specaudit.audit import PATCH, AuditContext, Section
+from specaudit.audit.context import AuditContext, Section
+from specaudit.llama.presets import PATCH
+from specaudit.outcome import Outcome
 from specaudit.report import md_table, to_jsonable
+from specaudit.stats import Verdict
 
 # (stock role, patched role, check endpoint)
 PAIRS = (
@@ -51,16 +55,15 @@ def check_pair(ctx: AuditContext, stock: str, patched: str, endpoint: str) -> Ch
 
 
 def _counts(r: check.CheckResult) -> tuple[int, int]:
-    real = sum(e.real for e in r.endpoints)
-    ph = sum(e.placeholder for e in r.endpoints)
-    return real, ph
+    """(real, placeholder) tokens over the endpoints that gave a decision."""
+    return r.real, r.placeholders
 
 
 def _f(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def audit_section(ctx: AuditContext) -> Section:
+def section(ctx: AuditContext) -> Section:
     pairs = [check_pair(ctx, s, p, e) for s, p, e in PAIRS]
     rows = []
     for pr in pairs:
@@ -130,8 +133,8 @@ def audit_section(ctx: AuditContext) -> Section:
     ]
     ok = (
         all(p.patched.exit_code == 0 for p in pairs)
-        and ab_res.verdict.kind is ab.Verdict.CONSISTENT
-        and d.verdict.value == "PRESERVED"
+        and ab_res.outcome is Outcome.OK
+        and d.verdict is Verdict.PRESERVED
     )
     summary = (
         "patched: "
@@ -157,6 +160,6 @@ def audit_section(ctx: AuditContext) -> Section:
             "dist": to_jsonable(d),
         },
         plots=[ab_res.plot] if ab_res.plot else [],
-        status="ok" if ok else "finding",
+        status=Outcome.OK if ok else Outcome.FINDING,
         summary=summary,
     )

@@ -1,0 +1,22 @@
+"""The audit's sections, in report order: one module per capability, each with
+``section(ctx) -> Section``. This list is the whole truth about what the audit runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specaudit.audit.context import AuditContext, Section
+from specaudit.audit.sections import ab, check, dist, patched, proxy, servers
+
+SectionFn = Callable[[AuditContext], Section]
+
+SECTIONS: tuple[tuple[str, SectionFn], ...] = (
+    ("servers", servers.section),
+    ("check", check.section),
+    ("ab", ab.section),
+    ("dist", dist.section),
+    ("proxy", proxy.section),
+    ("patched", patched.section),
+)
+
+__all__ = ["SECTIONS", "SectionFn"]

@@ -1,0 +1,129 @@
+"""`specaudit dist`: does an engine that speculates still sample from the target distribution?
+
+Speculative decoding is meant to be invisible: the tokens must follow the target model's
+distribution exactly. This package samples many seeds from an engine running a fixture model
+(see `specaudit.fixtures`) and compares what came out with the distribution the fixture's
+*definition* implies -- computed in closed form, never taken from the engine under test.
+
+What is tested, for each engine:
+- every tested position t, conditionally on the tokens generated before it (contexts with the
+  same true next-token distribution are pooled; they are interchangeable under the null);
+- the joint distribution of the first few positions;
+- one verdict at a stated alpha: BROKEN if a Holm-corrected test rejects (or a token with true
+  probability zero shows up), PRESERVED if nothing rejects and the data rule out a next-token
+  TV distance above the tolerance at every position, INCONCLUSIVE otherwise.
+- `sequential=True` instead stops as soon as the evidence is decisive, using an anytime-valid
+  e-process (BROKEN) and alpha-spending TV bounds (PRESERVED), and reports the samples used.
+
+Engines: a llama-server we spawn with and without a draft model (`server`), any
+llama-server-compatible URL (`url`), and llama.cpp's `llama-speculative` example program run
+once per seed (`speculative-example`). See docs/dist.md.
+
+Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
+closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
+stopping), `engines` (what produces samples), `driver` (sampling an engine, `measure`),
+`runner` (input checks, servers, `run`), `render` (tables, Markdown, the plot). The audit's
+section is `specaudit.audit.sections.dist`.
+"""
+
+from specaudit.dist.analysis import analyze
+from specaudit.dist.driver import collect, measure, measure_async
+from specaudit.dist.engines import (
+    EXAMPLE_RETRIES,
+    SAMPLER_CHAIN,
+    Engine,
+    ExampleEngine,
+    ServerEngine,
+    parse_example_output,
+)
+from specaudit.dist.render import (
+    CONTEXT_HEADERS,
+    SUMMARY_HEADERS,
+    TEST_HEADERS,
+    context_rows,
+    draft_cell,
+    evidence_cell,
+    plot_results,
+    summary_rows,
+    test_rows,
+    to_markdown,
+    tokens_cell,
+)
+from specaudit.dist.results import (
+    DEFAULT_ALPHA,
+    DEFAULT_TOKENS,
+    DEFAULT_TOLERANCE,
+    ContextResult,
+    DistError,
+    DistResult,
+    EngineResult,
+    ProgressFn,
+    Sample,
+    SequentialResult,
+    TestResult,
+    TokenRow,
+    Workload,
+)
+from specaudit.dist.runner import (
+    ENGINES,
+    MAX_JOINT,
+    MIN_TOKENS,
+    load_fixture,
+    make_workload,
+    needs_binaries,
+    run,
+    spawn_server,
+    validate,
+)
+from specaudit.dist.sequential import SEQUENTIAL_FIRST_LOOK, Sequential, replay_sequential
+from specaudit.dist.truth import Truth
+
+__all__ = [
+    "CONTEXT_HEADERS",
+    "DEFAULT_ALPHA",
+    "DEFAULT_TOKENS",
+    "DEFAULT_TOLERANCE",
+    "ENGINES",
+    "EXAMPLE_RETRIES",
+    "MAX_JOINT",
+    "MIN_TOKENS",
+    "SAMPLER_CHAIN",
+    "SEQUENTIAL_FIRST_LOOK",
+    "SUMMARY_HEADERS",
+    "TEST_HEADERS",
+    "ContextResult",
+    "DistError",
+    "DistResult",
+    "Engine",
+    "EngineResult",
+    "ExampleEngine",
+    "ProgressFn",
+    "Sample",
+    "Sequential",
+    "SequentialResult",
+    "ServerEngine",
+    "TestResult",
+    "TokenRow",
+    "Truth",
+    "Workload",
+    "analyze",
+    "collect",
+    "context_rows",
+    "draft_cell",
+    "evidence_cell",
+    "load_fixture",
+    "make_workload",
+    "measure",
+    "measure_async",
+    "needs_binaries",
+    "parse_example_output",
+    "plot_results",
+    "replay_sequential",
+    "run",
+    "spawn_server",
+    "summary_rows",
+    "test_rows",
+    "to_markdown",
+    "tokens_cell",
+    "validate",
+]

@@ -1,0 +1,151 @@
+"""Driving an engine: seeds sampled concurrently, consumed in seed order, then analysed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from specaudit import fixtures
+from specaudit.dist.analysis import analyze
+from specaudit.dist.engines import Engine
+from specaudit.dist.results import (
+    DEFAULT_ALPHA,
+    DEFAULT_TOLERANCE,
+    EngineResult,
+    ProgressFn,
+    Sample,
+    Workload,
+)
+from specaudit.dist.sequential import Sequential
+from specaudit.dist.truth import Truth
+
+
+async def _drive(
+    engine: Engine,
+    seeds: Sequence[int],
+    consume: Callable[[Sample], bool],
+) -> int:
+    """Sample `seeds` concurrently; hand results to `consume` in seed order until it says stop.
+
+    Returns how many samples were drawn. On stop the few samples in flight are let finish and
+    dropped (milliseconds; a process killed mid-start could be left unreaped); on an error or
+    an interrupt they are cancelled.
+    """
+    order = list(seeds)
+    running: dict[asyncio.Task[Sample], int] = {}
+    ready: dict[int, Sample] = {}
+    launched = consumed = drawn = 0
+    window = max(1, engine.concurrency)
+    finished = False
+    try:
+        while consumed < len(order):
+            while (
+                launched < len(order) and len(running) < window and launched - consumed < 4 * window
+            ):
+                seed = order[launched]
+                running[asyncio.ensure_future(engine.sample(seed))] = seed
+                launched += 1
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                seed = running.pop(task)
+                ready[seed] = task.result()  # re-raises the engine's error
+                drawn += 1
+            while consumed < len(order) and order[consumed] in ready:
+                stop = consume(ready.pop(order[consumed]))
+                consumed += 1
+                if stop:
+                    finished = True
+                    return drawn + len(running)
+        finished = True
+        return drawn
+    finally:
+        if running:
+            if not finished:
+                for task in running:
+                    task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+
+def collect(
+    engine: Engine, seeds: Sequence[int], progress: ProgressFn | None = None
+) -> list[Sample]:
+    """Just the samples, in seed order, no analysis (benchmarks, studies over seed blocks)."""
+    out: list[Sample] = []
+    report = progress or (lambda label, done, planned: None)
+
+    def consume(s: Sample) -> bool:
+        out.append(s)
+        report(engine.label, len(out), len(seeds))
+        return False
+
+    async def go() -> None:
+        try:
+            await _drive(engine, seeds, consume)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(go())
+    return out
+
+
+def measure(
+    engine: Engine,
+    spec: fixtures.FixtureSpec,
+    workload: Workload,
+    seeds: Sequence[int],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    tolerance: float = DEFAULT_TOLERANCE,
+    sequential: bool = False,
+    progress: ProgressFn | None = None,
+) -> EngineResult:
+    """Sample `seeds` from `engine` and test them (fixed sample, or sequential with early stop)."""
+    return asyncio.run(
+        measure_async(
+            engine, spec, workload, seeds,
+            alpha=alpha, tolerance=tolerance, sequential=sequential, progress=progress,
+        )
+    )  # fmt: skip
+
+
+async def measure_async(
+    engine: Engine,
+    spec: fixtures.FixtureSpec,
+    workload: Workload,
+    seeds: Sequence[int],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    tolerance: float = DEFAULT_TOLERANCE,
+    sequential: bool = False,
+    progress: ProgressFn | None = None,
+) -> EngineResult:
+    truth = Truth(spec, workload)
+    samples: list[Sample] = []
+    total = len(seeds)
+    report = progress or (lambda label, done, planned: None)
+    seq = Sequential(truth, workload, alpha, tolerance, total) if sequential else None
+
+    def consume(s: Sample) -> bool:
+        samples.append(s)
+        report(engine.label, len(samples), total)
+        return seq.add(s) if seq is not None else False
+
+    t0 = time.perf_counter()
+    try:
+        drawn = await _drive(engine, seeds, consume)
+    finally:
+        await engine.aclose()
+    seconds = time.perf_counter() - t0
+    res = analyze(
+        spec, workload, samples,
+        alpha=alpha, tolerance=tolerance, engine=engine.label, kind=engine.kind, seconds=seconds,
+    )  # fmt: skip
+    if seq is not None:
+        res.sequential = seq.result(drawn)
+        res.verdict = seq.verdict
+        res.reason = seq.reason()
+    return res
+
+
+__all__ = ["collect", "measure", "measure_async"]

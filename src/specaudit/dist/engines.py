@@ -1,0 +1,219 @@
+"""Engines: what produces samples. A llama-server (or compatible) URL, and llama.cpp's
+`llama-speculative` example run once per seed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from specaudit import fixtures, speculation
+from specaudit.client import AsyncClient, Client, ClientError
+from specaudit.dist.results import DistError, Sample, Workload
+from specaudit.dist.truth import check_text
+
+# The closed form models this chain (fixtures.SamplerSettings); sent explicitly so a server's
+# own defaults (penalties, DRY, XTC, another order) cannot change what is sampled.
+SAMPLER_CHAIN = ("top_k", "top_p", "min_p", "temperature")
+EXAMPLE_RETRIES = 50  # see ExampleEngine: llama.cpp may lose the output tail at exit
+
+
+class Engine(Protocol):
+    label: str
+    kind: str
+    concurrency: int
+
+    async def sample(self, seed: int) -> Sample: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ServerEngine:
+    """A llama-server (or compatible) URL, sampled on native /completion, requests concurrent
+    over its slots."""
+
+    def __init__(
+        self,
+        url: str,
+        spec: fixtures.FixtureSpec,
+        workload: Workload,
+        *,
+        label: str | None = None,
+        kind: str = "url",
+        concurrency: int | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.spec = spec
+        self.workload = workload
+        self.label = label or f"url {self.url}"
+        self.kind = kind
+        self.concurrency = concurrency or 2 * _slot_count(self.url)
+        self._client = AsyncClient(self.url, timeout=timeout, max_connections=self.concurrency)
+        s = workload.sampler
+        self._body: dict[str, Any] = {
+            "prompt": workload.prompt,
+            "n_predict": workload.tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "samplers": list(SAMPLER_CHAIN),
+            "dynatemp_range": 0.0,
+            "mirostat": 0,
+            "n_probs": 0,
+        }
+
+    def body(self, seed: int) -> dict[str, Any]:
+        """The native /completion request for one seed: every sampler knob explicit."""
+        return {**self._body, "seed": seed}
+
+    async def sample(self, seed: int) -> Sample:
+        r = await self._client.post("/completion", self.body(seed))
+        text = r.get("content")
+        if not isinstance(text, str):
+            raise DistError(f"{self.label}: /completion answered without a 'content' string")
+        check_text(text, self.workload.tokens, self.spec, self.label)
+        tm_raw = r.get("timings")
+        tm: dict[str, Any] = tm_raw if isinstance(tm_raw, dict) else {}
+        dn, da = tm.get("draft_n"), tm.get("draft_n_accepted")
+        return Sample(
+            seed,
+            text,
+            dn if isinstance(dn, int) else None,
+            da if isinstance(da, int) else None,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _slot_count(url: str) -> int:
+    """Parallel slots of a server (from /slots, else /props), 1 if it does not say."""
+    try:
+        with Client(url, timeout=10) as c:
+            return speculation.read(c).parallel
+    except ClientError as e:
+        raise DistError(str(e)) from None
+
+
+class ExampleEngine:
+    """llama.cpp's `llama-speculative` example, one process per seed, processes in parallel.
+
+    Its generated text goes through llama.cpp's asynchronous logger, which can lose the tail
+    of the output when the process exits; a run whose output is incomplete (no closing blank
+    lines, no final statistics) is therefore repeated (same seed, same result).
+    """
+
+    def __init__(
+        self,
+        binary: Path,
+        target: Path,
+        draft: Path,
+        spec: fixtures.FixtureSpec,
+        workload: Workload,
+        *,
+        jobs: int | None = None,
+        label: str = "llama-speculative",
+    ) -> None:
+        if not Path(binary).is_file():
+            raise DistError(f"llama-speculative binary not found: {binary}")
+        self.binary = Path(binary)
+        self.target = Path(target)
+        self.draft = Path(draft)
+        self.spec = spec
+        self.workload = workload
+        self.label = label
+        self.kind = "speculative-example"
+        self.concurrency = jobs or os.cpu_count() or 1
+        self.retries = 0  # incomplete outputs repeated so far
+
+    def argv(self, seed: int) -> list[str]:
+        s = self.workload.sampler
+        return [
+            str(self.binary),
+            "-m", str(self.target),
+            "-md", str(self.draft),
+            "-p", self.workload.prompt,
+            "-n", str(self.workload.tokens),
+            "--samplers", ";".join(SAMPLER_CHAIN),
+            "--top-k", str(s.top_k),
+            "--top-p", repr(float(s.top_p)),
+            "--min-p", repr(float(s.min_p)),
+            "--temp", repr(float(s.temperature)),
+            "--seed", str(seed),
+            "-t", "1",  # one thread per process: the model is tiny and processes run in parallel
+        ]  # fmt: skip
+
+    async def sample(self, seed: int) -> Sample:
+        last = ""
+        for _ in range(EXAMPLE_RETRIES):
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv(seed),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                out_b, err_b = await proc.communicate()
+            except asyncio.CancelledError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                raise
+            out = out_b.decode("utf-8", "replace")
+            err = err_b.decode("utf-8", "replace")
+            if proc.returncode != 0:
+                tail = [ln for ln in err.splitlines() if ln.strip()]
+                raise DistError(
+                    f"llama-speculative exited with code {proc.returncode} (seed {seed}): "
+                    f"{tail[-1] if tail else 'no output'}"
+                )
+            parsed = parse_example_output(out, err, self.workload.prompt)
+            if parsed is not None and len(parsed[0]) >= self.workload.tokens:
+                text, drafted, accepted = parsed
+                text = text[: self.workload.tokens]
+                check_text(text, self.workload.tokens, self.spec, self.label)
+                return Sample(seed, text, drafted, accepted)
+            self.retries += 1
+            last = out.strip()[:60]
+        raise DistError(
+            f"llama-speculative (seed {seed}) printed incomplete output {EXAMPLE_RETRIES} times "
+            f"(last: {last!r})"
+        )
+
+    async def aclose(self) -> None:
+        return None
+
+
+_STAT_RE = re.compile(r"\bn_(drafted|accept)\s*=\s*(\d+)")
+
+
+def parse_example_output(stdout: str, stderr: str, prompt: str) -> tuple[str, int, int] | None:
+    """(generated text, drafted, accepted) from one llama-speculative run; None if incomplete.
+
+    stdout is ``\\n\\n`` + prompt + generated + ``\\n\\n`` + ``\\n\\n``; the last two blank lines
+    are logged after the statistics, so seeing them means nothing before was lost.
+    """
+    found = dict((k, int(v)) for k, v in _STAT_RE.findall(stderr))
+    if "drafted" not in found or "accept" not in found:
+        return None
+    if len(stdout) - len(stdout.rstrip("\n")) < 4:
+        return None
+    body = stdout.strip("\n")
+    if not body.startswith(prompt):
+        return None
+    return body[len(prompt) :], found["drafted"], found["accept"]
+
+
+__all__ = [
+    "EXAMPLE_RETRIES",
+    "SAMPLER_CHAIN",
+    "Engine",
+    "ExampleEngine",
+    "ServerEngine",
+    "parse_example_output",
+]

@@ -1,0 +1,212 @@
+"""Rendering: table rows for the CLI, Markdown for reports, and the expected-vs-observed plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specaudit.dist.results import ContextResult, DistResult, EngineResult
+from specaudit.stats import Verdict
+
+
+def tokens_cell(ctx: ContextResult) -> str:
+    """'e .330 (.345)  g .452 (.452) ...': observed frequency (expected probability)."""
+    return "  ".join(f"{r.token} {r.frequency:.3f} ({r.expected:.3f})" for r in ctx.tokens)
+
+
+def test_rows(e: EngineResult) -> list[tuple[Any, ...]]:
+    return [
+        (
+            x.name,
+            x.n,
+            x.contexts,
+            x.gof.method,
+            _fmt_stat(x.gof.statistic),
+            x.gof.df,
+            fmt_p(x.gof.p_value),
+            fmt_p(x.p_holm),
+            f"{x.tv.estimate:.3f} [{x.tv.lower:.3f}, {x.tv.upper:.3f}]",
+            "reject" if x.rejected else "-",
+        )
+        for x in e.tests
+    ]
+
+
+TEST_HEADERS = ("test", "n", "contexts", "method", "G", "df", "p", "p (Holm)", "TV [CI]", "")
+CONTEXT_HEADERS = ("pos", "context", "n", "observed (expected)", "p", "TV [CI]")
+
+
+def context_rows(e: EngineResult) -> list[tuple[Any, ...]]:
+    return [
+        (
+            c.position,
+            c.label,
+            c.n,
+            tokens_cell(c),
+            fmt_p(c.gof.p_value),
+            f"{c.tv.estimate:.3f} [{c.tv.lower:.3f}, {c.tv.upper:.3f}]",
+        )
+        for c in e.headline
+    ]
+
+
+def fmt_p(p: float) -> str:
+    if p == 0:
+        return "0"  # only for impossible outcomes: certainty
+    if p < 1e-300:
+        return "<1e-300"
+    return f"{p:.3g}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def p_eq(p: float) -> str:
+    """'= 0.0424' or '< 1e-300', for sentences."""
+    f = fmt_p(p)
+    return f"< {f[1:]}" if f.startswith("<") else f"= {f}"
+
+
+def _fmt_stat(g: float) -> str:
+    return "inf" if math.isinf(g) else f"{g:.2f}"
+
+
+def draft_cell(e: EngineResult) -> str:
+    if e.drafted is None:
+        return "-"
+    return f"{e.drafted} drafted, {e.accepted} accepted"
+
+
+def evidence_cell(e: EngineResult) -> str:
+    """The number the verdict rests on: e-value (sequential) or smallest Holm p (fixed)."""
+    if e.sequential is not None:
+        q = e.sequential
+        ev = math.exp(q.log_e_value) if q.log_e_value < 700 else math.inf
+        return f"e = {ev:.3g} (reject at {q.e_threshold:g})"
+    return f"min p (Holm) {p_eq(min((x.p_holm for x in e.tests), default=1.0))}"
+
+
+def summary_rows(res: DistResult) -> list[tuple[Any, ...]]:
+    return [
+        (e.engine, e.verdict.value, e.n_samples, draft_cell(e), evidence_cell(e), e.reason)
+        for e in res.engines
+    ]
+
+
+SUMMARY_HEADERS = ("engine", "verdict", "samples", "drafted/accepted", "evidence", "why")
+
+
+def to_markdown(res: DistResult) -> str:
+    from specaudit.report import md_table
+
+    wl = res.workload
+    s = wl.sampler
+    lines = [
+        f"Fixture `{res.fixture}`, prompt `{wl.prompt}`, {wl.tokens} tokens per sample, "
+        f"top-k {s.top_k}, top-p {s.top_p:g}, min-p {s.min_p:g}, temperature {s.temperature:g}; "
+        f"alpha {res.alpha:g}, TV tolerance {res.tolerance:g}"
+        + ("; sequential (anytime-valid)" if res.sequential else "")
+        + ". Expected values come from the fixture's definition (closed form).",
+        "",
+        md_table(SUMMARY_HEADERS, summary_rows(res)),
+    ]
+    for e in res.engines:
+        lines += [
+            "",
+            f"**{e.engine}**: {e.verdict.value}. Seeds {e.first_seed}..{e.last_seed}"
+            + (f", {draft_cell(e)}" if e.drafted is not None else "")
+            + f", {e.samples_per_s:.0f} samples/s.",
+            "",
+            md_table(CONTEXT_HEADERS, context_rows(e)),
+            "",
+            md_table(TEST_HEADERS, test_rows(e)),
+        ]
+        if e.sequential is not None:
+            q = e.sequential
+            lines += [
+                "",
+                f"Sequential: decided by {q.decided_by} after {q.samples_used} samples "
+                f"({q.samples_drawn} drawn), log e-value {q.log_e_value:.2f} "
+                f"(threshold log {math.log(q.e_threshold):.2f}).",
+            ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+
+def plot_results(res: DistResult, path: Path) -> Path:
+    """Expected vs observed probability per token, with 95% CIs; one column per engine, one row
+    per position (its most likely context)."""
+    from specaudit import plots
+
+    plt = plots.pyplot()
+    engines = res.engines
+    rows = max((len(e.headline) for e in engines), default=1) or 1
+    fig, axes = plt.subplots(
+        rows, max(len(engines), 1), figsize=(4.2 * max(len(engines), 1), 2.9 * rows),
+        squeeze=False, sharey=True,
+    )  # fmt: skip
+    colors = {Verdict.PRESERVED: "tab:green", Verdict.BROKEN: "tab:red",
+              Verdict.INCONCLUSIVE: "tab:orange"}  # fmt: skip
+    for j, e in enumerate(engines):
+        for i in range(rows):
+            ax = axes[i][j]
+            if i >= len(e.headline):
+                ax.axis("off")
+                ax.text(0.5, 0.5, "no sample reached the target's\nmost likely context here",
+                        ha="center", va="center", fontsize=8, transform=ax.transAxes)  # fmt: skip
+                continue
+            c = e.headline[i]
+            x = np.arange(len(c.tokens))
+            exp = [r.expected for r in c.tokens]
+            obs = [r.frequency for r in c.tokens]
+            err = [
+                [max(0.0, r.frequency - r.ci_low) for r in c.tokens],
+                [max(0.0, r.ci_high - r.frequency) for r in c.tokens],
+            ]
+            ax.bar(x - 0.18, exp, width=0.36, color="lightgray", edgecolor="black",
+                   label="expected (closed form)")  # fmt: skip
+            bad = [r.expected == 0 and r.observed > 0 for r in c.tokens]
+            ax.bar(x + 0.18, obs, width=0.36, yerr=err, capsize=3,
+                   color=["tab:red" if b else "tab:blue" for b in bad],
+                   label="observed, 95% CI")  # fmt: skip
+            ax.set_xticks(x, [r.token for r in c.tokens])
+            ax.set_ylim(0, 1.05)
+            ax.set_title(
+                f"pos {c.position} after {c.label}\nn={c.n}, p={fmt_p(c.gof.p_value)}",
+                fontsize=8,
+            )
+            if j == 0:
+                ax.set_ylabel("probability")
+            if i == 0:
+                ax.text(
+                    0.5, 1.32, f"{e.engine}: {e.verdict.value}", transform=ax.transAxes,
+                    ha="center", fontsize=10, fontweight="bold", color=colors[e.verdict],
+                )  # fmt: skip
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(
+        f"specaudit dist: fixture {res.fixture}, prompt {res.workload.prompt}, alpha {res.alpha:g}",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return plots.save(fig, path)
+
+
+__all__ = [
+    "CONTEXT_HEADERS",
+    "SUMMARY_HEADERS",
+    "TEST_HEADERS",
+    "context_rows",
+    "draft_cell",
+    "evidence_cell",
+    "fmt_p",
+    "p_eq",
+    "plot_results",
+    "summary_rows",
+    "test_rows",
+    "to_markdown",
+    "tokens_cell",
+]

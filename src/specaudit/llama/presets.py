@@ -1,0 +1,149 @@
+"""llama-server presets: which model, whether and how it speculates, which binaries, and the
+threads/context/slots policy, in one place.
+
+Why one place: the audit, `dist`, `ab` and the test suite all start the same few kinds of
+server (the fixture or Gemma; plain, speculating, or speculating with the patched binaries).
+Each used to carry its own copy of the policy (threads, context per slot, slots), so a fix in
+one silently missed the others. A `Preset` names a role; `start_args` turns a role plus model
+files into `LlamaServer` arguments; `server` builds the (not yet started) `LlamaServer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.server import LlamaServer
+
+MODELS = ("fixture", "gemma")
+VARIANTS = ("stock", "patched")
+PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
+DEFAULT_SPEC_TYPE = "draft-simple"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a model's servers are sized."""
+
+    parallel: int  # slots (-np)
+    ctx_per_slot: int  # tokens of context each slot gets (-c is parallel x this)
+    threads: int | None  # -t; None: llama-server's default
+
+
+# One thread per fixture server: a tiny model gains nothing from more, and with several
+# servers on few cores extra threads cost 2-6x throughput. The fixture's context is 256 tokens
+# (fixtures.FixtureConfig.context_length); the server caps a slot there anyway.
+POLICIES = {
+    "fixture": Policy(parallel=4, ctx_per_slot=256, threads=1),
+    "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named server role."""
+
+    name: str
+    model: str  # "fixture" or "gemma"
+    speculative: bool
+    variant: str = "stock"  # or "patched"
+    spec_type: str = DEFAULT_SPEC_TYPE
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.speculative and uses_draft(self.spec_type)
+
+    @property
+    def patches(self) -> tuple[str, ...]:
+        return (PATCH,) if self.variant == "patched" else ()
+
+    @property
+    def policy(self) -> Policy:
+        return POLICIES[self.model]
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("fixture-plain", "fixture", False),
+        Preset("fixture-spec", "fixture", True),
+        Preset("gemma-plain", "gemma", False),
+        Preset("gemma-spec", "gemma", True),
+        Preset("fixture-spec-patched", "fixture", True, "patched"),
+        Preset("gemma-spec-patched", "gemma", True, "patched"),
+        Preset("gemma-ngram", "gemma", True, spec_type="ngram-mod"),
+    )
+}
+
+
+def uses_draft(spec_type: str | None) -> bool:
+    """Whether a --spec-type list needs a draft model (the draft-* types but MTP)."""
+    if not spec_type:
+        return False
+    return any(t.startswith("draft-") and t != "draft-mtp" for t in spec_type.split(","))
+
+
+def server(
+    binaries: LlamaBinaries,
+    model: Path,
+    *,
+    kind: str,
+    draft: Path | None = None,
+    spec_type: str | None = None,
+    parallel: int | None = None,
+    ctx_per_slot: int | None = None,
+    log_path: Path | None = None,
+    name: str = "llama-server",
+) -> LlamaServer:
+    """A `LlamaServer` (not started) sized by the `kind` ("fixture"/"gemma") policy; `parallel`
+    and `ctx_per_slot` override it for workloads that need other sizes."""
+    pol = POLICIES[kind]
+    n_par = parallel or pol.parallel
+    per_slot = ctx_per_slot or pol.ctx_per_slot
+    return LlamaServer(
+        binaries,
+        model,
+        draft=draft if spec_type and uses_draft(spec_type) else None,
+        spec_type=spec_type or None,
+        parallel=n_par,
+        ctx_size=n_par * per_slot,
+        extra_args=["-t", str(pol.threads)] if pol.threads else [],
+        log_path=log_path,
+        name=name,
+    )
+
+
+def for_preset(
+    preset: Preset,
+    binaries: LlamaBinaries,
+    model: Path,
+    draft: Path | None,
+    *,
+    log_path: Path | None = None,
+    parallel: int | None = None,
+) -> LlamaServer:
+    """The `LlamaServer` (not started) of a named role."""
+    return server(
+        binaries,
+        model,
+        kind=preset.model,
+        draft=draft if preset.uses_draft else None,
+        spec_type=preset.spec_type if preset.speculative else None,
+        parallel=parallel,
+        log_path=log_path,
+        name=preset.name,
+    )
+
+
+__all__ = [
+    "MODELS",
+    "PATCH",
+    "POLICIES",
+    "PRESETS",
+    "Policy",
+    "Preset",
+    "for_preset",
+    "server",
+    "uses_draft",
+]

@@ -1,0 +1,228 @@
+"""Does a server speculate? The one place that reads `/slots`, `/props` and a response's own
+``generation_settings`` for that.
+
+Why one module: llama-server's ``/props`` says ``speculative.types: none`` even when it
+speculates, while ``/slots`` reports ``"speculative": true`` per slot. Every capability (check,
+ab, dist, the audit, the proxy) needs the same answer, and five hand-rolled readings had
+already drifted apart (truthiness vs ``is True``, a list-valued ``speculative.types`` rendered
+two ways). The parsing here is pure (bodies in, a typed record out), so it is unit-tested on
+recorded real responses; `read` and `aread` are thin sync and async callers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specaudit.client import AsyncClient, Client
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SlotsReading:
+    """What a `/slots` body says; `note` explains why nothing could be read."""
+
+    total: int | None = None
+    speculative: int | None = None
+    note: str | None = None
+
+    @property
+    def readable(self) -> bool:
+        return self.total is not None
+
+
+@dataclass(frozen=True)
+class SpeculationInfo:
+    """Whether a server speculates, in the words of each source."""
+
+    slots: SlotsReading
+    props_types: str | None = None  # /props default_generation_settings speculative.types
+    total_slots: int | None = None  # /props total_slots
+
+    @property
+    def slots_total(self) -> int | None:
+        return self.slots.total
+
+    @property
+    def slots_speculative(self) -> int | None:
+        return self.slots.speculative
+
+    @property
+    def slots_note(self) -> str | None:
+        return self.slots.note
+
+    @property
+    def speculates(self) -> bool | None:
+        """The truth from /slots; None when /slots could not be read."""
+        if self.slots.speculative is None:
+            return None
+        return self.slots.speculative > 0
+
+    @property
+    def hidden(self) -> bool:
+        """Speculates while /props claims it does not."""
+        return bool(self.speculates) and claims_none(self.props_types)
+
+    @property
+    def parallel(self) -> int:
+        """Concurrent requests the server serves: /slots, else /props total_slots, else 1."""
+        if self.slots.total:
+            return self.slots.total
+        if self.total_slots:
+            return self.total_slots
+        return 1
+
+    def describe(self) -> str:
+        """One line for tables: 'hidden: /props says none, /slots says 4/4 speculate'."""
+        if self.slots.total is None:
+            return f"unknown: {self.slots.note or 'no /slots'}"
+        n, k = self.slots.total, self.slots.speculative or 0
+        if k and claims_none(self.props_types):
+            return f"hidden: /props says {self.props_types}, /slots says {k}/{n} speculate"
+        if k:
+            return "speculates (both agree)"
+        return "does not speculate"
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parsing
+
+
+def slot_list(body: Any) -> list[Any] | None:
+    """The slot list of a `/slots` answer: llama-server sends a JSON array (which the
+    project's clients wrap as ``{"_list": [...]}``)."""
+    if isinstance(body, dict):
+        body = body.get("_list")
+    return body if isinstance(body, list) else None
+
+
+def parse_slots(body: Any) -> SlotsReading:
+    """Count the slots that speculate. A slot speculates when its ``speculative`` is ``true``
+    (the JSON boolean; anything else is not a claim to speculate)."""
+    slots = slot_list(body)
+    if slots is None:
+        return SlotsReading(note="/slots did not answer a list")
+    dicts = [s for s in slots if isinstance(s, dict)]
+    if not any("speculative" in s for s in dicts):
+        return SlotsReading(note="/slots has no per-slot speculative field")
+    return SlotsReading(len(slots), sum(1 for s in dicts if s.get("speculative") is True))
+
+
+def format_types(t: Any) -> str | None:
+    """``speculative.types`` as one string: a list becomes comma-separated."""
+    if t is None:
+        return None
+    if isinstance(t, list | tuple):
+        return ",".join(str(x) for x in t)
+    if isinstance(t, str):
+        return t
+    return json.dumps(t)
+
+
+def props_types(props: Any) -> str | None:
+    """``default_generation_settings.params["speculative.types"]`` of a `/props` body."""
+    if not isinstance(props, dict):
+        return None
+    dgs = props.get("default_generation_settings")
+    params = dgs.get("params") if isinstance(dgs, dict) else None
+    if not isinstance(params, dict):
+        return None
+    return format_types(params.get("speculative.types", params.get("speculative.type")))
+
+
+def props_total_slots(props: Any) -> int | None:
+    n = props.get("total_slots") if isinstance(props, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def response_types(body: Any) -> str | None:
+    """``speculative.types`` a native response echoes in its own ``generation_settings``."""
+    gs = body.get("generation_settings") if isinstance(body, dict) else None
+    if not isinstance(gs, dict):
+        return None
+    return format_types(gs.get("speculative.types", gs.get("speculative.type")))
+
+
+def claims_none(types: str | None) -> bool:
+    """Whether a ``speculative.types`` string says "no speculation" (or says nothing)."""
+    return types is None or all(p.strip() in ("", "none") for p in types.split(","))
+
+
+def parse(slots: Any, props: Any, slots_note: str | None = None) -> SpeculationInfo:
+    """One record from a `/slots` body (None: not readable, see `slots_note`) and `/props`."""
+    reading = parse_slots(slots) if slots is not None else SlotsReading(note=slots_note)
+    return SpeculationInfo(reading, props_types(props), props_total_slots(props))
+
+
+# ---------------------------------------------------------------------------------------------
+# callers
+
+
+def _slots_note(status: int | None, error: str) -> str:
+    if status in (404, 405, 501):
+        return "no /slots endpoint"
+    if status in (401, 403):
+        return f"/slots needs an API key (HTTP {status})"
+    return f"/slots unreadable: {error}"
+
+
+def read(client: Client) -> SpeculationInfo:
+    """Read `/slots` and `/props`. An unreachable server raises `ClientError`: nothing else
+    would work either; an HTTP error on one endpoint only leaves that source unread."""
+    from specaudit.client import ClientError
+
+    slots: Any = None
+    note: str | None = None
+    try:
+        slots = client.get("/slots")
+    except ClientError as e:
+        if e.status is None:
+            raise
+        note = _slots_note(e.status, str(e))
+    props: Any = None
+    try:
+        props = client.get("/props")
+    except ClientError as e:
+        if e.status is None:
+            raise
+    return parse(slots, props, note)
+
+
+async def aread(client: AsyncClient) -> SpeculationInfo:
+    """`read` for the async client."""
+    from specaudit.client import ClientError
+
+    slots: Any = None
+    note: str | None = None
+    try:
+        slots = await client.get("/slots")
+    except ClientError as e:
+        if e.status is None:
+            raise
+        note = _slots_note(e.status, str(e))
+    props: Any = None
+    try:
+        props = await client.get("/props")
+    except ClientError as e:
+        if e.status is None:
+            raise
+    return parse(slots, props, note)
+
+
+__all__ = [
+    "SlotsReading",
+    "SpeculationInfo",
+    "aread",
+    "claims_none",
+    "format_types",
+    "parse",
+    "parse_slots",
+    "props_total_slots",
+    "props_types",
+    "read",
+    "response_types",
+    "slot_list",
+]

@@ -1,0 +1,51 @@
+"""Fixtures every test can use: `cli`, the one way to run specaudit's command line in-process.
+
+`cli("check", "--help")` runs the CLI through `specaudit.cli.run`, the same error handling as
+the console script (`main` is `run` plus `sys.exit`): the exit code a user's shell would see,
+usage and `SpecauditError`s as one ``error:`` line on stderr. stdout and stderr are captured
+apart with click's `CliRunner` isolation (not a terminal, 80 columns). A test that needs the
+installed entry point as a process (signals, start-up imports) uses `subprocess` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import pytest
+from click.testing import CliRunner
+
+
+class CliRun(NamedTuple):
+    """What one run of the CLI left behind; unpacks as ``code, out, err``."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+CliFn = Callable[..., CliRun]
+
+
+def run_cli(
+    *args: str, input: str | None = None, env: Mapping[str, str | None] | None = None
+) -> CliRun:
+    """``specaudit ARGS`` in-process; returns (exit_code, stdout, stderr)."""
+    from specaudit.cli import run
+
+    runner = CliRunner()
+    with runner.isolation(input=input, env=env) as (out, err, _mixed):
+        try:
+            code = run(list(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue(), err.getvalue()
+    return CliRun(code, stdout.decode(), stderr.decode(errors="replace"))
+
+
+@pytest.fixture
+def cli() -> CliFn:
+    """``cli(*args, input=None, env=None) -> CliRun(exit_code, stdout, stderr)``."""
+    return run_cli
