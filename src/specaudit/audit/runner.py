@@ -48,9 +48,7 @@ def select(
     keys = [k for k, _ in sections]
     unknown = [k for k in only if k not in keys]
     if unknown:
-        raise SpecauditError(
-            f"unknown section {', '.join(unknown)}; choose from {', '.join(keys)}"
-        )
+        raise SpecauditError(f"unknown section {', '.join(unknown)}; choose from {', '.join(keys)}")
     return [(k, f) for k, f in sections if not only or k in only]
 
 

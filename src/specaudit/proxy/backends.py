@@ -131,14 +131,13 @@ def assess(status: BackendStatus, p: Probe) -> None:
         status.state = State.UP
         status.detail = "reachable"
         why = (
-            (f"/slots answered HTTP {p.slots_status}" if reading is None else reading.note or "")
-            + (
-                " (set SPECAUDIT_" + status.role.upper() + "_API_KEY)"
-                if p.slots_status in (401, 403)
-                else " (start llama-server without --no-slots)"
-                if p.slots_status in (404, 501)
-                else ""
-            )
+            f"/slots answered HTTP {p.slots_status}" if reading is None else reading.note or ""
+        ) + (
+            " (set SPECAUDIT_" + status.role.upper() + "_API_KEY)"
+            if p.slots_status in (401, 403)
+            else " (start llama-server without --no-slots)"
+            if p.slots_status in (404, 501)
+            else ""
         )
         status.warning = (
             f"cannot verify the {status.role} role: {why}; responses are still checked "

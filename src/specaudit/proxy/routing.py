@@ -101,8 +101,10 @@ def _bad(field: str, want: str, v: Any) -> RequestError:
 # field -> (check, description); None is always allowed (llama-server treats null as absent)
 _CHECKS: dict[str, tuple[Any, str]] = {
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
-    "logprobs": (lambda v: isinstance(v, bool) or (_is_int(v) and v >= 0),
-                 "a boolean or a non-negative integer"),
+    "logprobs": (
+        lambda v: isinstance(v, bool) or (_is_int(v) and v >= 0),
+        "a boolean or a non-negative integer",
+    ),
     "top_logprobs": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "n_probs": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "post_sampling_probs": (lambda v: isinstance(v, bool), "a boolean"),
@@ -119,8 +121,12 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "frequency_penalty": (_is_num, "a number"),
     "repeat_penalty": (_is_num, "a number"),
     "model": (lambda v: isinstance(v, str), "a string"),
-    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(
-        isinstance(s, str) for s in v)), "a string or an array of strings"),
+    "stop": (
+        lambda v: (
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        ),
+        "a string or an array of strings",
+    ),
 }
 
 

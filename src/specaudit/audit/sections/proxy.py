@@ -119,12 +119,29 @@ def section(ctx: AuditContext) -> Section:
             rows += demo(px.url, spec.url, model)
     bad = problems(rows)
     table = md_table(
-        ["model", "request", "sent", "served by", "tokens", "real", "placeholders",
-         "mean logprob (real)", "draft_n (accepted)"],
         [
-            (r.model, r.request, r.via, r.backend, r.tokens, r.real, r.placeholders,
-             r.mean_logprob,
-             None if r.draft_n is None else f"{r.draft_n} ({r.draft_n_accepted})")
+            "model",
+            "request",
+            "sent",
+            "served by",
+            "tokens",
+            "real",
+            "placeholders",
+            "mean logprob (real)",
+            "draft_n (accepted)",
+        ],
+        [
+            (
+                r.model,
+                r.request,
+                r.via,
+                r.backend,
+                r.tokens,
+                r.real,
+                r.placeholders,
+                r.mean_logprob,
+                None if r.draft_n is None else f"{r.draft_n} ({r.draft_n_accepted})",
+            )
             for r in rows
         ],
     )
@@ -145,6 +162,9 @@ def section(ctx: AuditContext) -> Section:
         markdown=table + "\n\n" + verdict,
         data={"rows": rows, "problems": bad},
         status=Outcome.FINDING if bad else Outcome.OK,
-        summary=("proxy routes correctly: logprobs all real, other requests speculate"
-                 if not bad else f"proxy problem: {bad[0]}"),
+        summary=(
+            "proxy routes correctly: logprobs all real, other requests speculate"
+            if not bad
+            else f"proxy problem: {bad[0]}"
+        ),
     )
