@@ -60,8 +60,9 @@ class Run:
         return len(self.latencies) / self.wall if self.wall else 0.0
 
 
-def body(path: str, stream: bool, logprobs: bool, prompt: str = PROMPT,
-         max_tokens: int = MAX_TOKENS) -> bytes:
+def body(
+    path: str, stream: bool, logprobs: bool, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS
+) -> bytes:
     b: dict[str, object] = {"max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
     if path == "/v1/chat/completions":
         b["messages"] = [{"role": "user", "content": prompt}]
@@ -110,8 +111,16 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(url: str, path: str, payload: bytes, n: int, conc: int, stream: bool,
-             server_pid: int, proxy_pid: int | None) -> Run:
+def measured(
+    url: str,
+    path: str,
+    payload: bytes,
+    n: int,
+    conc: int,
+    stream: bool,
+    server_pid: int,
+    proxy_pid: int | None,
+) -> Run:
     """`load`, plus the CPU time it cost the client, the proxy (if any) and the server."""
     pids = [server_pid] + ([proxy_pid] if proxy_pid else [])
     before = [cpu_seconds(p) for p in pids]
@@ -142,12 +151,22 @@ def fixture_servers(tmp: Path, threads: int = 1) -> Iterator[tuple[LlamaServer, 
     """
     bins = llama.ensure()
     fs = fixtures.build(tmp / "fixtures")
-    common: dict[str, Any] = {"parallel": 4, "ctx_size": 1024,
-                              "extra_args": ["-t", str(threads), "-tb", str(threads)]}
-    with LlamaServer(bins, Path(fs.target), name="bench-plain", **common) as plain, LlamaServer(
-        bins, Path(fs.target), draft=Path(fs.draft), spec_type="draft-simple", name="bench-spec",
-        **common,
-    ) as spec:
+    common: dict[str, Any] = {
+        "parallel": 4,
+        "ctx_size": 1024,
+        "extra_args": ["-t", str(threads), "-tb", str(threads)],
+    }
+    with (
+        LlamaServer(bins, Path(fs.target), name="bench-plain", **common) as plain,
+        LlamaServer(
+            bins,
+            Path(fs.target),
+            draft=Path(fs.draft),
+            spec_type="draft-simple",
+            name="bench-spec",
+            **common,
+        ) as spec,
+    ):
         yield plain, spec
 
 
@@ -158,22 +177,43 @@ def gemma_servers() -> Iterator[tuple[LlamaServer, LlamaServer]]:
 
     bins = llama.ensure()
     g = gemma_270m().path
-    with LlamaServer(bins, g, parallel=2, ctx_size=4096, name="bench-gemma-plain") as plain, \
-            LlamaServer(bins, g, draft=g, spec_type="draft-simple", parallel=2, ctx_size=4096,
-                        name="bench-gemma-spec") as spec:
+    with (
+        LlamaServer(bins, g, parallel=2, ctx_size=4096, name="bench-gemma-plain") as plain,
+        LlamaServer(
+            bins,
+            g,
+            draft=g,
+            spec_type="draft-simple",
+            parallel=2,
+            ctx_size=4096,
+            name="bench-gemma-spec",
+        ) as spec,
+    ):
         yield plain, spec
 
 
 @contextmanager
-def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()
-                  ) -> Iterator[tuple[str, int]]:
+def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
     """`specaudit proxy` as a separate process, as a user runs it."""
     port = free_port()
-    cmd = [sys.executable, "-c", "from specaudit.cli import main; main()", "proxy",
-           "--plain", plain, "--spec", spec, "--listen", f"127.0.0.1:{port}",
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_pdeathsig)  # dies with us
+    cmd = [
+        sys.executable,
+        "-c",
+        "from specaudit.cli import main; main()",
+        "proxy",
+        "--plain",
+        plain,
+        "--spec",
+        spec,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_pdeathsig
+    )  # dies with us
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -242,10 +282,19 @@ LEGEND = (
 )
 
 
-def bench(direct: LlamaServer, proxy: tuple[str, int], label: str, logprobs: bool,
-          concs: list[int], rounds: int, scale: float, path: str,
-          counts: dict[int, int] | None = None, prompt: str = PROMPT,
-          max_tokens: int = MAX_TOKENS) -> list[Row]:
+def bench(
+    direct: LlamaServer,
+    proxy: tuple[str, int],
+    label: str,
+    logprobs: bool,
+    concs: list[int],
+    rounds: int,
+    scale: float,
+    path: str,
+    counts: dict[int, int] | None = None,
+    prompt: str = PROMPT,
+    max_tokens: int = MAX_TOKENS,
+) -> list[Row]:
     direct_url, (proxy_url, proxy_pid) = direct.url, proxy
     assert direct.proc is not None
     spid = direct.proc.pid
@@ -260,10 +309,10 @@ def bench(direct: LlamaServer, proxy: tuple[str, int], label: str, logprobs: boo
             asyncio.run(load(direct_url, path, payload, warm, conc, stream))
             asyncio.run(load(proxy_url, path, payload, warm, conc, stream))
             for _ in range(rounds):
-                row.direct.append(measured(direct_url, path, payload, n, conc, stream, spid,
-                                           None))
-                row.proxied.append(measured(proxy_url, path, payload, n, conc, stream, spid,
-                                            proxy_pid))
+                row.direct.append(measured(direct_url, path, payload, n, conc, stream, spid, None))
+                row.proxied.append(
+                    measured(proxy_url, path, payload, n, conc, stream, spid, proxy_pid)
+                )
             print(row.line(), flush=True)
             rows.append(row)
     return rows
@@ -279,34 +328,52 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     ap.add_argument("--path", default="/v1/completions")
     ap.add_argument("--threads", type=int, default=1, help="decode threads per llama-server")
-    ap.add_argument("--gemma", action="store_true",
-                    help="also compare on Gemma 3 270M (a real model: slower requests)")
+    ap.add_argument(
+        "--gemma",
+        action="store_true",
+        help="also compare on Gemma 3 270M (a real model: slower requests)",
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # clean up servers and proxy on SIGTERM too
     t0 = time.monotonic()
-    print(f"specaudit proxy benchmark: {args.path}, prompt {PROMPT!r}, max_tokens {MAX_TOKENS}, "
-          f"{args.rounds} rounds, {args.threads} decode thread(s) per server, "
-          f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}")
-    with tempfile.TemporaryDirectory() as tmp, \
-            fixture_servers(Path(tmp), args.threads) as (plain, spec), \
-            proxy_process(plain.url, spec.url) as px:
+    print(
+        f"specaudit proxy benchmark: {args.path}, prompt {PROMPT!r}, max_tokens {MAX_TOKENS}, "
+        f"{args.rounds} rounds, {args.threads} decode thread(s) per server, "
+        f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}"
+    )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fixture_servers(Path(tmp), args.threads) as (plain, spec),
+        proxy_process(plain.url, spec.url) as px,
+    ):
         print(LEGEND)
         print(HEADER)
-        rows = bench(spec, px, "default", False, [1, 16, 64], args.rounds, args.scale,
-                     args.path)
+        rows = bench(spec, px, "default", False, [1, 16, 64], args.rounds, args.scale, args.path)
         rows += bench(plain, px, "logprobs", True, [16], args.rounds, args.scale, args.path)
     if args.gemma:
         with gemma_servers() as (gplain, gspec), proxy_process(gplain.url, gspec.url) as gpx:
-            rows += bench(gspec, gpx, "gemma", False, [1, 4], 1, args.scale,
-                          "/v1/chat/completions", counts={1: 8, 4: 16},
-                          prompt="Explain how a CPU branch predictor works.", max_tokens=16)
+            rows += bench(
+                gspec,
+                gpx,
+                "gemma",
+                False,
+                [1, 4],
+                1,
+                args.scale,
+                "/v1/chat/completions",
+                counts={1: 8, 4: 16},
+                prompt="Explain how a CPU branch predictor works.",
+                max_tokens=16,
+            )
     worst99 = max(pct(r.pooled(r.proxied), 99) - pct(r.pooled(r.direct), 99) for r in rows)
     worst_ratio = min(
         statistics.median(x.rps for x in r.proxied) / statistics.median(x.rps for x in r.direct)
         for r in rows
     )
-    print(f"worst p99 overhead {worst99 * 1e3:+.2f} ms (goal <= 2 ms); worst throughput ratio "
-          f"{worst_ratio:.3f} (goal >= 0.95); took {time.monotonic() - t0:.0f} s")
+    print(
+        f"worst p99 overhead {worst99 * 1e3:+.2f} ms (goal <= 2 ms); worst throughput ratio "
+        f"{worst_ratio:.3f} (goal >= 0.95); took {time.monotonic() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ def serve_aiohttp(port: int, target: str, client: str) -> None:
 
     async def main() -> None:
         pooled = ClientSession(connector=TCPConnector(limit=256), auto_decompress=False)
-        fresh = ClientSession(connector=TCPConnector(limit=256, force_close=True),
-                              auto_decompress=False)
+        fresh = ClientSession(
+            connector=TCPConnector(limit=256, force_close=True), auto_decompress=False
+        )
         hx = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=600)
         timeout = ClientTimeout(total=None, sock_read=600)
 
@@ -61,8 +62,12 @@ def serve_aiohttp(port: int, target: str, client: str) -> None:
             headers = {"Content-Type": "application/json"}
             if client == "httpx":
                 if stream:
-                    req = hx.build_request("POST", target + request.path, content=data,
-                                           headers={**headers, "Connection": "close"})
+                    req = hx.build_request(
+                        "POST",
+                        target + request.path,
+                        content=data,
+                        headers={**headers, "Connection": "close"},
+                    )
                     r = await hx.send(req, stream=True)
                     out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                     await out.prepare(request)
@@ -72,11 +77,13 @@ def serve_aiohttp(port: int, target: str, client: str) -> None:
                     await out.write_eof()
                     return out
                 r2 = await hx.post(target + request.path, content=data, headers=headers)
-                return web.Response(body=r2.content, status=r2.status_code,
-                                    content_type="application/json")
+                return web.Response(
+                    body=r2.content, status=r2.status_code, content_type="application/json"
+                )
             session = fresh if stream else pooled
-            async with session.post(target + request.path, data=data, headers=headers,
-                                    timeout=timeout) as r3:
+            async with session.post(
+                target + request.path, data=data, headers=headers, timeout=timeout
+            ) as r3:
                 if stream:
                     out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                     await out.prepare(request)
@@ -84,8 +91,9 @@ def serve_aiohttp(port: int, target: str, client: str) -> None:
                         await out.write(chunk)
                     await out.write_eof()
                     return out
-                return web.Response(body=await r3.read(), status=r3.status,
-                                    content_type="application/json")
+                return web.Response(
+                    body=await r3.read(), status=r3.status, content_type="application/json"
+                )
 
         server = web.Server(handle, handler_cancellation=True, access_log=None)
         await asyncio.get_running_loop().create_server(server, "127.0.0.1", port, backlog=1024)
@@ -108,8 +116,12 @@ def serve_starlette(port: int, target: str, std: bool) -> None:
         stream = b'"stream": true' in data
         headers = {"Content-Type": "application/json"}
         if stream:
-            req = hx.build_request("POST", target + request.url.path, content=data,
-                                   headers={**headers, "Connection": "close"})
+            req = hx.build_request(
+                "POST",
+                target + request.url.path,
+                content=data,
+                headers={**headers, "Connection": "close"},
+            )
             r = await hx.send(req, stream=True)
 
             async def relay() -> object:
@@ -125,15 +137,24 @@ def serve_starlette(port: int, target: str, std: bool) -> None:
 
     paths = ["/v1/completions", "/v1/chat/completions", "/completion"]
     app = Starlette(routes=[Route(p, handle, methods=["POST"]) for p in paths])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                http="httptools" if std else "h11", loop="uvloop" if std else "asyncio",
-                backlog=1024)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        http="httptools" if std else "h11",
+        loop="uvloop" if std else "asyncio",
+        backlog=1024,
+    )
 
 
 def available(stack: str) -> str | None:
     """None if the stack can run here, else why not."""
-    need = {"starlette/uvicorn/httpx": ["starlette", "uvicorn"],
-            "starlette/uvicorn[std]/httpx": ["starlette", "uvicorn", "httptools", "uvloop"]}
+    need = {
+        "starlette/uvicorn/httpx": ["starlette", "uvicorn"],
+        "starlette/uvicorn[std]/httpx": ["starlette", "uvicorn", "httptools", "uvloop"],
+    }
     missing = [m for m in need.get(stack, []) if importlib.util.find_spec(m) is None]
     return f"not installed: {', '.join(missing)}" if missing else None
 
@@ -141,8 +162,11 @@ def available(stack: str) -> str | None:
 @contextmanager
 def stack_process(stack: str, target: str) -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port),
-                             "--target", target], stderr=subprocess.PIPE, preexec_fn=_pdeathsig)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", stack, "--port", str(port), "--target", target],
+        stderr=subprocess.PIPE,
+        preexec_fn=_pdeathsig,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -185,8 +209,10 @@ def main() -> None:
         return
     t0 = time.monotonic()
     path = "/v1/completions"
-    print(f"HTTP stack benchmark: pass-through proxy in front of a fixture llama-server, {path}, "
-          f"{args.rounds} rounds, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}")
+    print(
+        f"HTTP stack benchmark: pass-through proxy in front of a fixture llama-server, {path}, "
+        f"{args.rounds} rounds, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}"
+    )
     stacks = []
     for stack in STACKS:
         why = available(stack)
@@ -194,10 +220,15 @@ def main() -> None:
             print(f"{stack}: skipped ({why})")
         else:
             stacks.append(stack)
-    print(f"{'stack':30} {'mode':6} {'conc':>4} {'d p50':>7} {'+p50':>7} {'d p99':>7} "
-          f"{'+p99':>8} {'d rps':>7} {'p rps':>7} {'ratio':>6}")
-    with tempfile.TemporaryDirectory() as tmp, fixture_servers(Path(tmp)) as (_, spec), \
-            contextlib.ExitStack() as es:
+    print(
+        f"{'stack':30} {'mode':6} {'conc':>4} {'d p50':>7} {'+p50':>7} {'d p99':>7} "
+        f"{'+p99':>8} {'d rps':>7} {'p rps':>7} {'ratio':>6}"
+    )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fixture_servers(Path(tmp)) as (_, spec),
+        contextlib.ExitStack() as es,
+    ):
         urls = {st: es.enter_context(stack_process(st, spec.url)) for st in stacks}
         for stream in (False, True):
             payload = body(path, stream, False)
@@ -209,24 +240,29 @@ def main() -> None:
                 # machine's load hits all of them alike
                 runs: dict[str, list[Run]] = {k: [] for k in ["direct", *stacks]}
                 for _ in range(args.rounds):
-                    runs["direct"].append(asyncio.run(load(spec.url, path, payload, n, conc,
-                                                           stream)))
+                    runs["direct"].append(
+                        asyncio.run(load(spec.url, path, payload, n, conc, stream))
+                    )
                     for st in stacks:
-                        runs[st].append(asyncio.run(load(urls[st], path, payload, n, conc,
-                                                         stream)))
+                        runs[st].append(asyncio.run(load(urls[st], path, payload, n, conc, stream)))
                 dl = [x for r in runs["direct"] for x in r.latencies]
                 drps = statistics.median(r.rps for r in runs["direct"])
                 for st in stacks:
                     pl = [x for r in runs[st] for x in r.latencies]
                     prps = statistics.median(r.rps for r in runs[st])
                     errs = sum(r.errors for r in runs["direct"] + runs[st])
-                    print(f"{st:30} {'stream' if stream else 'json':6} {conc:>4} "
-                          f"{pct(dl, 50) * 1e3:7.2f} {(pct(pl, 50) - pct(dl, 50)) * 1e3:+7.2f} "
-                          f"{pct(dl, 99) * 1e3:7.2f} {(pct(pl, 99) - pct(dl, 99)) * 1e3:+8.2f} "
-                          f"{drps:7.0f} {prps:7.0f} {prps / drps:6.3f}"
-                          + (f"  errors {errs}" if errs else ""), flush=True)
-    print(f"took {time.monotonic() - t0:.0f} s; ms, d = direct (same runs for every stack), "
-          "+p = added by the proxy")
+                    print(
+                        f"{st:30} {'stream' if stream else 'json':6} {conc:>4} "
+                        f"{pct(dl, 50) * 1e3:7.2f} {(pct(pl, 50) - pct(dl, 50)) * 1e3:+7.2f} "
+                        f"{pct(dl, 99) * 1e3:7.2f} {(pct(pl, 99) - pct(dl, 99)) * 1e3:+8.2f} "
+                        f"{drps:7.0f} {prps:7.0f} {prps / drps:6.3f}"
+                        + (f"  errors {errs}" if errs else ""),
+                        flush=True,
+                    )
+    print(
+        f"took {time.monotonic() - t0:.0f} s; ms, d = direct (same runs for every stack), "
+        "+p = added by the proxy"
+    )
 
 
 if __name__ == "__main__":

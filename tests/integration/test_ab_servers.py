@@ -7,10 +7,7 @@ x 40 tokens); the audit section runs the CLI defaults.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,22 +17,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ab_schema import check_against, doc_schema
 from specaudit import ab, audit
 from specaudit.audit.sections import ab as ab_section
-from specaudit.llama import LlamaServer
+from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _schema_module() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "ab_schema_pin", ROOT / "tests" / "unit" / "test_ab_schema.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+CliFn = Callable[..., tuple[int, str, str]]
 
 
 def assert_png_readable(path: Path) -> None:
@@ -100,8 +88,8 @@ def test_fixture_draft_simple_vs_plain_is_instrument_fault(
 @pytest.fixture(scope="module")
 def second_fixture_plain(llama_bins: LlamaBinaries, fixture_set: Any) -> Iterator[str]:
     """A second plain fixture server: plain against plain across two processes."""
-    with LlamaServer(
-        llama_bins, Path(fixture_set.target), parallel=2, ctx_size=512, name="ab-plain-2"
+    with presets.server(
+        llama_bins, Path(fixture_set.target), kind="fixture", parallel=2, name="ab-plain-2"
     ) as srv:
         yield srv.url
 
@@ -176,44 +164,33 @@ def test_gemma_and_fixture_draft_simple_in_the_audit_section(
         assert_png_readable(p)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specaudit", "ab", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_cli_json_matches_the_documented_schema(
-    server: Callable[[str], Any], fixture_set: Any, tmp_path: Path
+    server: Callable[[str], Any], fixture_set: Any, tmp_path: Path, cli: CliFn
 ) -> None:
     png = tmp_path / "cli.png"
-    r = _cli(
-        "--plain", server("fixture-plain").url, "--spec", server("fixture-spec").url,
+    code, out, err = cli(
+        "ab", "--plain", server("fixture-plain").url, "--spec", server("fixture-spec").url,
         "--prompt", fixture_set.spec.prompt, "--seeds", "3", "--tokens", "48",
         "--plot", str(png), "--json",
     )  # fmt: skip
-    assert r.returncode == 1, r.stderr  # instrument fault
-    data = json.loads(r.stdout)
-    schema = _schema_module()
-    schema.check_against(schema.doc_schema(), [data], require_all=False)
+    assert code == 1, err  # instrument fault
+    data = json.loads(out)
+    check_against(doc_schema(), [data], require_all=False)
     assert data["local"] is None
     assert data["verdict"]["kind"] == "instrument fault" and data["plot"] == str(png)
     assert_png_readable(png)
 
 
-def test_cli_starts_its_own_servers(fixture_set: Any, tmp_path: Path) -> None:
+def test_cli_starts_its_own_servers(fixture_set: Any, tmp_path: Path, cli: CliFn) -> None:
     """No URLs: ab starts plain + draft-simple servers from --model/--draft, then stops them."""
-    r = _cli(
-        "--model", str(fixture_set.target), "--draft", str(fixture_set.draft),
+    code, out, err = cli(
+        "ab", "--model", str(fixture_set.target), "--draft", str(fixture_set.draft),
         "--prompt", fixture_set.spec.prompt, "--seeds", "3", "--tokens", "48",
         "--log-dir", str(tmp_path / "logs"), "--json",
     )  # fmt: skip
-    assert r.returncode == 1, r.stderr
-    data = json.loads(r.stdout)
-    schema = _schema_module()
-    schema.check_against(schema.doc_schema(), [data], require_all=False)
+    assert code == 1, err
+    data = json.loads(out)
+    check_against(doc_schema(), [data], require_all=False)
     assert data["local"]["spec_type"] == "draft-simple"
     assert data["local"]["draft"] == str(fixture_set.draft)
     assert data["spec"]["speculative"] is True and data["plain"]["speculative"] is False

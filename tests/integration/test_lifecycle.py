@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,8 +16,9 @@ import httpx
 import pytest
 
 from specaudit import audit
+from specaudit.audit.sections import servers
 from specaudit.errors import ServerError
-from specaudit.llama import LlamaBinaries, LlamaServer
+from specaudit.llama import LlamaBinaries, LlamaServer, presets
 
 
 def _alive(pid: int) -> bool:
@@ -46,14 +48,14 @@ def _wait_dead(pid: int, timeout: float = 15.0) -> bool:
     [
         ("fixture-plain", False),
         ("fixture-spec", True),
-        ("gemma-plain", False),
-        ("gemma-spec", True),
+        pytest.param("gemma-plain", False, marks=pytest.mark.gemma),
+        pytest.param("gemma-spec", True, marks=pytest.mark.gemma),
     ],
 )
 def test_slots_tell_the_truth_props_do_not(
     audit_ctx: audit.AuditContext, name: str, speculates: bool
 ) -> None:
-    row = audit.describe_server(name, audit_ctx.server(name))
+    row = servers.describe_server(name, audit_ctx.server(name))
     assert row.slots_total and row.slots_total >= 1
     assert row.slots_speculative == (row.slots_total if speculates else 0)
     # Observed on b11434: /props claims no speculation whatever the server does.
@@ -61,11 +63,27 @@ def test_slots_tell_the_truth_props_do_not(
     assert row.verdict.startswith("hidden") == speculates
 
 
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} give them) listening on `port`."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, _, hexport = local.partition(":")
+                if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    out.append(addr)
+    return out
+
+
 def test_server_binds_loopback_and_stops(llama_bins: LlamaBinaries, fixture_set) -> None:  # type: ignore[no-untyped-def]
-    with LlamaServer(llama_bins, fixture_set.target, ctx_size=256) as srv:
+    with presets.server(llama_bins, fixture_set.target, kind="fixture", parallel=1) as srv:
         assert srv.host == "127.0.0.1"
         assert httpx.get(f"{srv.url}/health").status_code == 200
-        pid = srv.proc.pid if srv.proc else -1
+        # the kernel's word: the only socket listening on the port is 127.0.0.1's
+        assert _listening(srv.port) == ["0100007F"]
+        assert srv.proc is not None
+        pid = srv.proc.pid
         assert _alive(pid)
     assert _wait_dead(pid)
     with pytest.raises(httpx.ConnectError):
@@ -99,9 +117,9 @@ def _child_script(bins: LlamaBinaries, model: Path, body: str) -> str:
         f"""
         import sys, time
         from pathlib import Path
-        from specaudit.llama import LlamaBinaries, LlamaServer
+        from specaudit.llama import LlamaBinaries, presets
         bins = LlamaBinaries(Path({str(bins.bin_dir)!r}), None, "external")
-        with LlamaServer(bins, Path({str(model)!r}), ctx_size=256) as srv:
+        with presets.server(bins, Path({str(model)!r}), kind="fixture", parallel=1) as srv:
             print(srv.proc.pid, flush=True)
         """
     ) + textwrap.indent(textwrap.dedent(body), "    ")
@@ -136,6 +154,7 @@ def test_no_orphan_when_the_parent_is_interrupted_or_killed(
             child.wait()
 
 
+@pytest.mark.gemma
 def test_gemma_answers(server: Callable[[str], object]) -> None:
     for name in ("gemma-plain", "gemma-spec"):
         h = server(name)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +37,10 @@ from typing import Any
 import httpx
 import pytest
 
-from specaudit import fixtures, llama, models
-from specaudit.llama import LlamaServer
+from specaudit import fixtures
+from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 
-PATCH = "spec-logprobs"
 TIMEOUT = 300.0
 
 FIXTURE_TOL = 1e-5
@@ -234,84 +232,72 @@ def compare(ref: Reply, got: Reply, tol: float, *, same_sample: bool = True) -> 
 # binaries and servers
 
 
-def _progress(pct: float, msg: str) -> None:
-    print(f"[specaudit] building llama.cpp: {pct:3.0f}% {msg[-70:]}", file=sys.stderr, flush=True)
-
-
-@pytest.fixture(scope="module")
-def stock_bins() -> LlamaBinaries:
-    return llama.ensure(progress=_progress)
-
-
-@pytest.fixture(scope="module")
-def patched_bins_eq(stock_bins: LlamaBinaries) -> LlamaBinaries:
-    # after the stock build: the patched one is then an incremental rebuild of its work tree
-    return llama.ensure(patches=(PATCH,), progress=_progress)
-
-
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
     return fixtures.build(tmp_path_factory.mktemp("patch-eq-fixture"))
 
 
 class _Servers:
-    """Starts named servers into one ExitStack, each logging to ``<log_dir>/<name>.log``."""
+    """Starts named servers (`presets.server`, one slot each) into one ExitStack, each logging
+    to ``<log_dir>/<name>.log``."""
 
-    def __init__(self, stack: contextlib.ExitStack, log_dir: Path) -> None:
-        self.stack, self.log_dir = stack, log_dir
+    def __init__(self, stack: contextlib.ExitStack, log_dir: Path, kind: str) -> None:
+        self.stack, self.log_dir, self.kind = stack, log_dir, kind
 
     def start(self, name: str, bins: LlamaBinaries, model: Path, **kw: Any) -> str:
-        srv = LlamaServer(bins, model, name=name, log_path=self.log_dir / f"{name}.log", **kw)
+        srv = presets.server(bins, model, kind=self.kind, parallel=1, name=name,
+                             log_path=self.log_dir / f"{name}.log", **kw)  # fmt: skip
         return self.stack.enter_context(srv).url
 
 
 @pytest.fixture(scope="module")
 def fixture_servers(
-    stock_bins: LlamaBinaries,
-    patched_bins_eq: LlamaBinaries,
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
     fx: fixtures.FixtureSet,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, str]]:
     draft = {"draft": fx.draft, "spec_type": "draft-simple"}
     with contextlib.ExitStack() as stack:
-        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-fixture-logs"))
+        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-fixture-logs"), "fixture")
         yield {
-            "plain": s.start("fx-plain", stock_bins, fx.target),
-            "spec": s.start("fx-spec", patched_bins_eq, fx.target, **draft),
+            "plain": s.start("fx-plain", llama_bins, fx.target),
+            "spec": s.start("fx-spec", patched_bins, fx.target, **draft),
             # the control: the same build without the patch
-            "stock-spec": s.start("fx-stock-spec", stock_bins, fx.target, **draft),
+            "stock-spec": s.start("fx-stock-spec", llama_bins, fx.target, **draft),
             "rejection": s.start(
-                "fx-rejection", patched_bins_eq, fx.target, **draft,
+                "fx-rejection", patched_bins, fx.target, **draft,
                 extra_args=["--spec-draft-sampling", "probabilistic"],
             ),
             "synth": s.start(
-                "fx-synth", patched_bins_eq, fx.target, **draft,
+                "fx-synth", patched_bins, fx.target, **draft,
                 extra_args=["--spec-synth-len", "3"],
             ),
-            "ngram": s.start("fx-ngram", patched_bins_eq, fx.target, spec_type="ngram-mod"),
+            "ngram": s.start("fx-ngram", patched_bins, fx.target, spec_type="ngram-mod"),
         }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def gemma_servers(
-    stock_bins: LlamaBinaries,
-    patched_bins_eq: LlamaBinaries,
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
+    gemma_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, str]]:
-    g = models.gemma_270m().path
-    common: dict[str, Any] = {"ctx_size": GEMMA_CTX, "extra_args": list(GEMMA_ARGS)}
+    g = gemma_path
+    common: dict[str, Any] = {"ctx_per_slot": GEMMA_CTX, "extra_args": list(GEMMA_ARGS)}
     with contextlib.ExitStack() as stack:
-        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-gemma-logs"))
+        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-gemma-logs"), "gemma")
         yield {
-            "plain": s.start("g-plain", stock_bins, g, **common),
+            "plain": s.start("g-plain", llama_bins, g, **common),
             "spec": s.start(
-                "g-spec", patched_bins_eq, g, draft=g, spec_type="draft-simple", **common
+                "g-spec", patched_bins, g, draft=g, spec_type="draft-simple", **common
             ),
             # short n-gram drafts: verification batches of up to 4 tokens, like draft-simple's
             # (a 17-token batch already computes logits that differ by ~0.05 in logprob)
             "ngram": s.start(
-                "g-ngram", patched_bins_eq, g, spec_type="ngram-mod",
-                ctx_size=GEMMA_CTX, extra_args=[*GEMMA_ARGS, *NGRAM_ARGS],
+                "g-ngram", patched_bins, g, spec_type="ngram-mod",
+                ctx_per_slot=GEMMA_CTX, extra_args=[*GEMMA_ARGS, *NGRAM_ARGS],
             ),
         }  # fmt: skip
 

@@ -7,14 +7,16 @@ The per-token equality with the plain server is in test_patch_equality.py; here 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
+
+import pytest
 
 from specaudit import ab, check, dist
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import patched
 from specaudit.stats import Verdict
+
+CliFn = Callable[..., tuple[int, str, str]]
 
 
 def _url(server: Callable[[str], object], name: str) -> str:
@@ -22,16 +24,12 @@ def _url(server: Callable[[str], object], name: str) -> str:
 
 
 def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
-    server: Callable[[str], object], fixture_set
+    server: Callable[[str], object], fixture_set, cli: CliFn
 ) -> None:  # type: ignore[no-untyped-def]
     url = _url(server, "fixture-spec-patched")
-    r = subprocess.run(
-        [sys.executable, "-m", "specaudit", "check", url, "--prompt", fixture_set.spec.prompt,
-         "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]
-    data = json.loads(r.stdout)
+    code, out, err = cli("check", url, "--prompt", fixture_set.spec.prompt, "--json")
+    assert code == 0, out[-3000:] + err[-1000:]
+    data = json.loads(out)
     assert data["verdict"] == "real"
     eps = data["endpoints"]
     # all four request kinds, streamed and not, answered with real values only
@@ -44,6 +42,7 @@ def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
     assert (data["speculation"]["draft_n"] or 0) > 0
 
 
+@pytest.mark.gemma
 def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], object]) -> None:
     stock = check.run(_url(server, "gemma-spec"), endpoint="chat", tokens=24)
     patched = check.run(_url(server, "gemma-spec-patched"), endpoint="chat", tokens=24)
@@ -79,9 +78,11 @@ def test_dist_on_the_patched_server_is_still_preserved(
     assert (res.drafted or 0) > 0 and (res.accepted or 0) > 0
 
 
+@pytest.mark.gemma
 def test_patched_audit_section(audit_ctx: AuditContext) -> None:
     sec = patched.section(audit_ctx)
     assert sec.status == "ok", sec.summary
     rows = sec.data["check"]
+    assert len(rows) == len(patched.PAIRS)  # one row per pair: none left out of the checks
     assert all(r["stock"][1] > 0 and r["patched"][1] == 0 for r in rows)
     assert all(r["stock_exit"] == 1 and r["patched_exit"] == 0 for r in rows)

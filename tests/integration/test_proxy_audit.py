@@ -30,7 +30,9 @@ def test_problems_name_what_went_wrong() -> None:
     ok = DemoRow("m", "logprobs", "proxy", "plain", 200, 5, 5, 0, -0.5, None, None)
     assert problems([ok]) == []
     bad = DemoRow("m", "logprobs", "proxy", "spec", 200, 5, 1, 4, -0.1, 4, 3)
-    assert problems([bad]) == ["m logprobs request: served by spec, not plain",
-                               "m logprobs request: 1/5 real values"]
+    assert problems([bad]) == [
+        "m logprobs request: served by spec, not plain",
+        "m logprobs request: 1/5 real values",
+    ]
     slow = DemoRow("m", "plain", "proxy", "spec", 200, 5, None, None, None, 0, 0)
     assert problems([slow]) == ["m plain request: draft_n 0, the server did not speculate"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from specaudit.llama import LlamaServer, free_port
+from fakes import Fake, not_http, serve, serve_tcp
+from proxy_helpers import PATHS, TOP, assert_nothing_fake, request_body, sse_objects
+from specaudit.llama import LlamaServer, free_port, presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.proxy import (
     H_ANNOTATED,
@@ -31,20 +32,6 @@ from specaudit.proxy import (
     H_PLACEHOLDERS,
     ProxyConfig,
     serve_in_thread,
-)
-
-# The shared fakes and helpers live in test_proxy_fakes.py; pytest's importlib import mode
-# does not put this directory on sys.path, so do it here.
-sys.path.insert(0, str(Path(__file__).parent))
-from test_proxy_fakes import (  # noqa: E402
-    PATHS,
-    TOP,
-    Fake,
-    assert_nothing_fake,
-    not_http,
-    request_body,
-    running,
-    sse_objects,
 )
 
 Server = Callable[[str], Any]
@@ -73,23 +60,27 @@ def spec_url(server: Server) -> str:
 
 
 def test_plain_down_at_start_error_policy(spec_url: str) -> None:
-    with serve_in_thread(ProxyConfig(dead_url(), spec_url, port=0)) as px, \
-            httpx.Client(timeout=60) as c:
+    with (
+        serve_in_thread(ProxyConfig(dead_url(), spec_url, port=0)) as px,
+        httpx.Client(timeout=60) as c,
+    ):
         h = c.get(px.url + "/health")
         assert h.status_code == 200 and h.json()["status"] == "degraded"
         assert h.json()["backends"]["plain"]["state"] == "down"
         for kind in KINDS:
             for stream in (False, True):
-                r = c.post(px.url + PATHS[kind],
-                           json=request_body(kind, stream=stream, logprobs=True))
+                r = c.post(
+                    px.url + PATHS[kind], json=request_body(kind, stream=stream, logprobs=True)
+                )
                 assert r.status_code == 503
                 err = error_of(r)
                 assert err["type"] == "unavailable_error"
                 assert "logprobs" in err["message"] and "down" in err["message"]
                 assert "connection refused" in err["message"]
                 # requests without logprobs are unaffected
-                r = c.post(px.url + PATHS[kind],
-                           json=request_body(kind, stream=stream, logprobs=False))
+                r = c.post(
+                    px.url + PATHS[kind], json=request_body(kind, stream=stream, logprobs=False)
+                )
                 assert r.status_code == 200 and r.headers[H_BACKEND] == "spec"
         stats = px.stats()
     assert stats.errors["plain_down"] == 6
@@ -122,20 +113,32 @@ def test_plain_down_at_start_annotate_policy(spec_url: str, kind: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gemma_plain(llama_bins: LlamaBinaries, gemma_path: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+def gemma_plain(
+    llama_bins: LlamaBinaries, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
     """A plain Gemma server this module owns (the kill test stops it for good)."""
     log = tmp_path_factory.mktemp("proxy-gemma") / "gemma-plain.log"
-    with LlamaServer(llama_bins, gemma_path, parallel=1, ctx_size=4096, log_path=log,
-                     name="proxy-gemma-plain") as srv:
+    with presets.server(llama_bins, gemma_path, kind="gemma", parallel=1, ctx_per_slot=4096,
+                        log_path=log, name="proxy-gemma-plain") as srv:  # fmt: skip
         yield srv
 
 
 def long_chat(stream: bool = True) -> dict[str, object]:
-    return {"messages": [{"role": "user", "content": "Write a very long story about a "
-                          "lighthouse keeper, chapter by chapter."}],
-            "max_tokens": 3000, "temperature": 1.0, "seed": 1, "stream": stream,
-            "logprobs": True, "top_logprobs": TOP, "ignore_eos": True}
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": "Write a very long story about a lighthouse keeper, chapter by chapter.",
+            }
+        ],
+        "max_tokens": 3000,
+        "temperature": 1.0,
+        "seed": 1,
+        "stream": stream,
+        "logprobs": True,
+        "top_logprobs": TOP,
+        "ignore_eos": True,
+    }
 
 
 def slots_busy(url: str) -> bool:
@@ -143,11 +146,12 @@ def slots_busy(url: str) -> bool:
 
 
 @pytest.mark.gemma
-def test_client_disconnect_stops_the_generation(gemma_plain: LlamaServer, spec_url: str
-                                                ) -> None:
+def test_client_disconnect_stops_the_generation(gemma_plain: LlamaServer, spec_url: str) -> None:
     with serve_in_thread(ProxyConfig(gemma_plain.url, spec_url, port=0)) as px:
-        with httpx.Client(timeout=60) as c, \
-                c.stream("POST", px.url + PATHS["chat"], json=long_chat()) as r:
+        with (
+            httpx.Client(timeout=60) as c,
+            c.stream("POST", px.url + PATHS["chat"], json=long_chat()) as r,
+        ):
             assert r.status_code == 200
             it = r.iter_raw()  # kept referenced: dropping it would close the connection
             seen = b""
@@ -161,19 +165,28 @@ def test_client_disconnect_stops_the_generation(gemma_plain: LlamaServer, spec_u
             assert time.monotonic() < deadline, "llama-server kept generating for nobody"
             time.sleep(0.2)
         # and the proxy serves the next request normally
-        r = httpx.post(px.url + PATHS["chat"], timeout=120,
-                       json={**long_chat(stream=False), "max_tokens": 4})
+        r = httpx.post(
+            px.url + PATHS["chat"], timeout=120, json={**long_chat(stream=False), "max_tokens": 4}
+        )
         assert r.status_code == 200 and r.headers[H_PLACEHOLDERS] == "0"
         stats = px.stats()
     assert stats.errors.get("client_disconnect", 0) >= 1
 
 
-def test_client_disconnect_closes_the_upstream_connection(spec_url: str) -> None:
-    with running(Fake("endless-stream")) as fake, \
-            serve_in_thread(ProxyConfig(dead_url(), fake.url, port=0)) as px:
-        with httpx.Client(timeout=30) as c, \
-                c.stream("POST", px.url + "/v1/completions",
-                         json=request_body("completions", stream=True, logprobs=False)) as r:
+def test_client_disconnect_closes_the_upstream_connection() -> None:
+    fake = Fake("endless-stream")
+    with (
+        serve(fake) as backend,
+        serve_in_thread(ProxyConfig(dead_url(), backend.url, port=0)) as px,
+    ):
+        with (
+            httpx.Client(timeout=30) as c,
+            c.stream(
+                "POST",
+                px.url + "/v1/completions",
+                json=request_body("completions", stream=True, logprobs=False),
+            ) as r,
+        ):
             for _chunk in r.iter_raw():
                 break
         assert fake.stream_closed.wait(10), "upstream stream still open after the client left"
@@ -186,8 +199,10 @@ def test_client_disconnect_closes_the_upstream_connection(spec_url: str) -> None
 @pytest.mark.gemma
 def test_plain_killed_mid_stream(gemma_plain: LlamaServer, spec_url: str) -> None:
     """Runs last in this module: it kills the module's Gemma server."""
-    with serve_in_thread(ProxyConfig(gemma_plain.url, spec_url, port=0)) as px, \
-            httpx.Client(timeout=httpx.Timeout(60.0)) as c:
+    with (
+        serve_in_thread(ProxyConfig(gemma_plain.url, spec_url, port=0)) as px,
+        httpx.Client(timeout=httpx.Timeout(60.0)) as c,
+    ):
         raw = b""
         with c.stream("POST", px.url + PATHS["chat"], json=long_chat()) as r:
             assert r.status_code == 200
@@ -207,12 +222,10 @@ def test_plain_killed_mid_stream(gemma_plain: LlamaServer, spec_url: str) -> Non
         assert_nothing_fake("chat", objs[:-1], stream=True)
         assert b"[DONE]" not in raw  # an incomplete answer is never dressed as complete
         # the next logprobs request is answered at once with a clear error
-        r = c.post(px.url + PATHS["chat"], json=request_body("chat", stream=False,
-                                                                logprobs=True))
+        r = c.post(px.url + PATHS["chat"], json=request_body("chat", stream=False, logprobs=True))
         assert r.status_code == 503 and "down" in error_of(r)["message"]
         assert c.get(px.url + "/health").json()["backends"]["plain"]["state"] == "down"
-        r = c.post(px.url + PATHS["chat"], json=request_body("chat", stream=False,
-                                                                logprobs=False))
+        r = c.post(px.url + PATHS["chat"], json=request_body("chat", stream=False, logprobs=False))
         assert r.status_code == 200 and r.headers[H_BACKEND] == "spec"
 
 
@@ -221,18 +234,22 @@ def test_plain_killed_mid_stream(gemma_plain: LlamaServer, spec_url: str) -> Non
 
 @pytest.mark.parametrize("role", ["plain", "spec"])
 def test_backend_slow_past_the_timeout(spec_url: str, role: str) -> None:
-    with running(Fake("slow", delay=5.0)) as fake:
+    with serve(Fake("slow", delay=5.0)) as fake:
         plain, spec = (fake.url, spec_url) if role == "plain" else (dead_url(), fake.url)
         cfg = ProxyConfig(plain, spec, port=0, read_timeout=0.5)
         with serve_in_thread(cfg) as px, httpx.Client(timeout=30) as c:
             lp = role == "plain"
-            r = c.post(px.url + "/v1/completions",
-                       json=request_body("completions", stream=False, logprobs=lp))
+            r = c.post(
+                px.url + "/v1/completions",
+                json=request_body("completions", stream=False, logprobs=lp),
+            )
             assert r.status_code == 504
             err = error_of(r)
             assert err["type"] == "timeout_error" and f"{role} backend" in err["message"]
-            r = c.post(px.url + "/v1/completions",
-                       json=request_body("completions", stream=True, logprobs=lp))
+            r = c.post(
+                px.url + "/v1/completions",
+                json=request_body("completions", stream=True, logprobs=lp),
+            )
             assert r.status_code == 200  # the headers and first event had gone out
             objs = sse_objects(r.content)
             assert objs[-1]["error"]["code"] == 504
@@ -242,13 +259,17 @@ def test_backend_slow_past_the_timeout(spec_url: str, role: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["garbage-json", "garbage-sse", "binary-sse", "not-http"])
-def test_backend_answers_garbage(mode: str, spec_url: str) -> None:
-    def serve(url: str) -> None:
-        with serve_in_thread(ProxyConfig(dead_url(), url, port=0)) as px, \
-                httpx.Client(timeout=30) as c:
+def test_backend_answers_garbage(mode: str) -> None:
+    def through_the_proxy(url: str) -> None:
+        with (
+            serve_in_thread(ProxyConfig(dead_url(), url, port=0)) as px,
+            httpx.Client(timeout=30) as c,
+        ):
             stream = mode.endswith("sse")
-            r = c.post(px.url + "/v1/completions",
-                       json=request_body("completions", stream=stream, logprobs=False))
+            r = c.post(
+                px.url + "/v1/completions",
+                json=request_body("completions", stream=stream, logprobs=False),
+            )
             if stream:
                 assert r.status_code == 200
                 objs = sse_objects(r.content)  # every forwarded event parses
@@ -260,20 +281,19 @@ def test_backend_answers_garbage(mode: str, spec_url: str) -> None:
             # the proxy keeps serving
             assert c.get(px.url + "/health").status_code in (200, 503)
 
-    if mode == "not-http":
-        with not_http() as url:
-            serve(url)
-    else:
-        with running(Fake(mode)) as fake:
-            serve(fake.url)
+    with serve_tcp(not_http) if mode == "not-http" else serve(Fake(mode)) as backend:
+        through_the_proxy(backend.url)
 
 
 def test_spec_down_falls_back_to_plain(server: Server) -> None:
     plain = server("fixture-plain").url
-    with serve_in_thread(ProxyConfig(plain, dead_url(), port=0)) as px, \
-            httpx.Client(timeout=60) as c:
-        r = c.post(px.url + "/completion",
-                   json=request_body("completion", stream=True, logprobs=False))
+    with (
+        serve_in_thread(ProxyConfig(plain, dead_url(), port=0)) as px,
+        httpx.Client(timeout=60) as c,
+    ):
+        r = c.post(
+            px.url + "/completion", json=request_body("completion", stream=True, logprobs=False)
+        )
         assert r.status_code == 200
         assert r.headers[H_BACKEND] == "plain" and r.headers[H_FALLBACK] == "spec-down"
         assert sse_objects(r.content)[-1]["stop"] is True

@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 import pytest
 
+from fakes import Fake, Relay, http_body, serve, serve_tcp
+from proxy_helpers import PATHS, TOP, assert_nothing_fake, request_body, sse_objects
 from specaudit import logprobs
 from specaudit.proxy import (
     H_BACKEND,
@@ -24,21 +24,6 @@ from specaudit.proxy import (
     ProxyError,
     State,
     serve_in_thread,
-)
-
-# The shared fakes and helpers live in test_proxy_fakes.py; pytest's importlib import mode
-# does not put this directory on sys.path, so do it here.
-sys.path.insert(0, str(Path(__file__).parent))
-from test_proxy_fakes import (  # noqa: E402
-    PATHS,
-    TOP,
-    Fake,
-    Relay,
-    assert_nothing_fake,
-    http_body,
-    request_body,
-    running,
-    sse_objects,
 )
 
 Server = Callable[[str], Any]
@@ -106,11 +91,16 @@ def test_health_and_metrics(proxy_url: str) -> None:
     assert body["status"] == "ok"
     assert body["backends"]["plain"]["speculating"] is False
     assert body["backends"]["spec"]["speculating"] is True
-    httpx.post(proxy_url + "/completion", json=request_body("completion", stream=False,
-                                                            logprobs=True), timeout=60)
+    httpx.post(
+        proxy_url + "/completion",
+        json=request_body("completion", stream=False, logprobs=True),
+        timeout=60,
+    )
     text = httpx.get(proxy_url + "/metrics", timeout=30).text
-    assert ('specaudit_proxy_requests_total{endpoint="/completion",route="logprobs",'
-            'backend="plain",status="200"}') in text
+    assert (
+        'specaudit_proxy_requests_total{endpoint="/completion",route="logprobs",'
+        'backend="plain",status="200"}'
+    ) in text
     assert 'specaudit_proxy_backend_speculating{backend="spec"} 1' in text
     assert 'specaudit_proxy_backend_up{backend="plain"} 1' in text
 
@@ -122,8 +112,9 @@ def test_stream_forwarded_byte_identical(urls: tuple[str, str], kind: str, lp: b
     a relay between proxy and server)."""
     plain, spec = urls
     target = plain if lp else spec
-    with Relay(int(target.rsplit(":", 1)[1])) as relay:
-        cfg = ProxyConfig(relay.url if lp else plain, relay.url if not lp else spec, port=0)
+    relay = Relay(int(target.rsplit(":", 1)[1]))
+    with serve_tcp(relay) as front:
+        cfg = ProxyConfig(front.url if lp else plain, front.url if not lp else spec, port=0)
         with serve_in_thread(cfg) as px, httpx.Client(timeout=60) as c:
             got = []
             for seed in (1, 2, 3):
@@ -140,11 +131,16 @@ def test_stream_forwarded_byte_identical(urls: tuple[str, str], kind: str, lp: b
 def test_stream_is_not_buffered(urls: tuple[str, str]) -> None:
     """Events of a stream that never ends reach the client: nothing waits for the end."""
     plain, _ = urls
-    with running(Fake("endless-stream")) as fake, \
-            serve_in_thread(ProxyConfig(plain, fake.url, port=0)) as px, \
-            httpx.Client(timeout=30) as c, \
-            c.stream("POST", px.url + "/v1/completions",
-                     json=request_body("completions", stream=True, logprobs=False)) as r:
+    with (
+        serve(Fake("endless-stream")) as fake,
+        serve_in_thread(ProxyConfig(plain, fake.url, port=0)) as px,
+        httpx.Client(timeout=30) as c,
+        c.stream(
+            "POST",
+            px.url + "/v1/completions",
+            json=request_body("completions", stream=True, logprobs=False),
+        ) as r,
+    ):
         seen = b""
         for chunk in r.iter_raw():
             seen += chunk
@@ -183,9 +179,14 @@ def test_keepalive_pitfall(urls: tuple[str, str], proxy_url: str) -> None:
 
 def test_refuses_a_plain_backend_that_speculates(urls: tuple[str, str]) -> None:
     _, spec = urls
-    with pytest.raises(ProxyError, match=r"refusing to start: the plain backend .* speculates "
-                       r"\(/slots: \d+/\d+ slots speculative\)"), \
-            serve_in_thread(ProxyConfig(spec, spec, port=0)):
+    with (
+        pytest.raises(
+            ProxyError,
+            match=r"refusing to start: the plain backend .* speculates "
+            r"\(/slots: \d+/\d+ slots speculative\)",
+        ),
+        serve_in_thread(ProxyConfig(spec, spec, port=0)),
+    ):
         pass
 
 
@@ -193,11 +194,16 @@ def test_warns_about_a_spec_backend_that_does_not_speculate(
     urls: tuple[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     plain, _ = urls
-    with caplog.at_level(logging.WARNING, logger="specaudit.proxy"), \
-            serve_in_thread(ProxyConfig(plain, plain, port=0)) as px:
+    with (
+        caplog.at_level(logging.WARNING, logger="specaudit.proxy"),
+        serve_in_thread(ProxyConfig(plain, plain, port=0)) as px,
+    ):
         h = httpx.get(px.url + "/health", timeout=30).json()
-        r = httpx.post(px.url + "/v1/completions", timeout=60,
-                       json=request_body("completions", stream=False, logprobs=False))
+        r = httpx.post(
+            px.url + "/v1/completions",
+            timeout=60,
+            json=request_body("completions", stream=False, logprobs=False),
+        )
     assert "does not speculate" in h["backends"]["spec"]["warning"]
     assert any("does not speculate" in m for m in caplog.messages)
     assert r.status_code == 200  # a warning, not a refusal
@@ -209,9 +215,12 @@ def test_plain_backend_that_turns_speculative(urls: tuple[str, str]) -> None:
     counted), which triggers a /slots re-check that marks plain unusable; the next logprobs
     request is refused with a 503 that says why."""
     plain, spec = urls
-    with Relay(int(plain.rsplit(":", 1)[1])) as relay, \
-            serve_in_thread(ProxyConfig(relay.url, spec, port=0, check_interval=3600)) as px, \
-            httpx.Client(timeout=60) as c:
+    relay = Relay(int(plain.rsplit(":", 1)[1]))
+    with (
+        serve_tcp(relay) as front,
+        serve_in_thread(ProxyConfig(front.url, spec, port=0, check_interval=3600)) as px,
+        httpx.Client(timeout=60) as c,
+    ):
         # a stream first: its upstream connection is closed after, none stays pooled
         first = request_body("chat", stream=True, logprobs=True, n=8)
         r = c.post(px.url + PATHS["chat"], json=first)

@@ -4,6 +4,7 @@ a recording fake plays the place a request tries to reach (it must stay untouche
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import signal
@@ -12,21 +13,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from fakes import Fake, Served, serve
+from proxy_helpers import PATHS, TOP, request_body
 from specaudit.llama import free_port
 from specaudit.proxy import H_BACKEND, ProxyConfig, serve_in_thread
 
-# The shared fakes and helpers live in test_proxy_fakes.py; pytest's importlib import mode
-# does not put this directory on sys.path, so do it here.
-sys.path.insert(0, str(Path(__file__).parent))
-from test_proxy_fakes import PATHS, Fake, request_body, running  # noqa: E402
-
 Server = Callable[[str], Any]
+CliFn = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +33,11 @@ def urls(server: Server) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def evil() -> Iterator[Fake]:
-    with running(Fake("ok")) as f:
-        yield f
+def evil() -> Iterator[tuple[Fake, Served]]:
+    """A recording backend that requests try to send the proxy to."""
+    fake = Fake("ok")
+    with serve(fake) as srv:
+        yield fake, srv
 
 
 @pytest.fixture(scope="module")
@@ -61,64 +61,119 @@ def status_of(raw: bytes) -> int:
     return int(raw.split(b" ", 2)[1])
 
 
-def test_requests_cannot_redirect_the_proxy(proxy: Any, evil: Fake) -> None:
-    e_host = f"127.0.0.1:{evil.port}"
+def test_requests_cannot_redirect_the_proxy(proxy: Any, evil: tuple[Fake, Served]) -> None:
+    recorder, evil_srv = evil
+    e_host = f"127.0.0.1:{evil_srv.port}"
+    evil_url = evil_srv.url
     body = request_body("completions", stream=False, logprobs=False, n=2)
     attempts: list[tuple[str, dict[str, str], dict[str, Any]]] = [
         ("/v1/completions", {"Host": e_host}, body),
-        ("/v1/completions", {"X-Forwarded-Host": e_host, "Forwarded": f"host={e_host}",
-                             "X-Forwarded-For": "127.0.0.1", "X-Original-URL": evil.url,
-                             "X-Rewrite-URL": evil.url + "/v1/completions"}, body),
-        (f"/v1/completions?url={evil.url}&backend={evil.url}&base_url={evil.url}", {}, body),
-        ("/v1/completions", {}, {**body, "base_url": evil.url, "api_base": evil.url,
-                                 "url": evil.url, "backend": evil.url, "model": evil.url}),
-        ("/v1/completions", {}, {**body, "logprobs": 2, "server": evil.url}),
-        ("/completion", {}, {"prompt": "abc", "n_predict": 2, "proxy": evil.url,
-                             "endpoint": evil.url + "/completion"}),
+        (
+            "/v1/completions",
+            {
+                "X-Forwarded-Host": e_host,
+                "Forwarded": f"host={e_host}",
+                "X-Forwarded-For": "127.0.0.1",
+                "X-Original-URL": evil_url,
+                "X-Rewrite-URL": evil_url + "/v1/completions",
+            },
+            body,
+        ),
+        (f"/v1/completions?url={evil_url}&backend={evil_url}&base_url={evil_url}", {}, body),
+        (
+            "/v1/completions",
+            {},
+            {
+                **body,
+                "base_url": evil_url,
+                "api_base": evil_url,
+                "url": evil_url,
+                "backend": evil_url,
+                "model": evil_url,
+            },
+        ),
+        ("/v1/completions", {}, {**body, "logprobs": 2, "server": evil_url}),
+        (
+            "/completion",
+            {},
+            {
+                "prompt": "abc",
+                "n_predict": 2,
+                "proxy": evil_url,
+                "endpoint": evil_url + "/completion",
+            },
+        ),
     ]
     with httpx.Client(timeout=60) as c:
         for path, headers, b in attempts:
             r = c.post(proxy.url + path, json=b, headers=headers)
             assert r.status_code == 200, (path, r.text)
             assert r.headers[H_BACKEND] in ("plain", "spec")
-        for path in (f"//{e_host}/v1/completions", "/v1/completions/../../x",
-                     "/%2e%2e/v1/completions", "/v1/completions%00", "/v1/completions;x",
-                     "/v1/completions/", f"/{evil.url}/v1/completions"):
+        for path in (
+            f"//{e_host}/v1/completions",
+            "/v1/completions/../../x",
+            "/%2e%2e/v1/completions",
+            "/v1/completions%00",
+            "/v1/completions;x",
+            "/v1/completions/",
+            f"/{evil_url}/v1/completions",
+        ):
             r = c.post(proxy.url + path, json=body)
             assert r.status_code == 404, path
     port = int(proxy.url.rsplit(":", 1)[1])
     payload = b'{"prompt": "abc", "max_tokens": 2}'
-    absolute = (f"POST {evil.url}/v1/completions HTTP/1.1\r\nHost: {e_host}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                "Connection: close\r\n\r\n").encode() + payload
+    absolute = (
+        f"POST {evil_url}/v1/completions HTTP/1.1\r\nHost: {e_host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + payload
     answer = raw_http(port, absolute)
     # absolute-form: the path is honoured, the host is not
     assert status_of(answer) == 200 and b"X-Specaudit-Backend: spec" in answer
     connect = f"CONNECT {e_host} HTTP/1.1\r\nHost: {e_host}\r\nConnection: close\r\n\r\n"
     assert 400 <= status_of(raw_http(port, connect.encode())) < 500
-    assert evil.hits == [], [h.path for h in evil.hits]
+    assert recorder.hits == [], [h.path for h in recorder.hits]
 
 
-def test_authorization_goes_to_the_backend_only(urls: tuple[str, str]) -> None:
+def test_authorization_goes_to_the_backend_only() -> None:
     """The client's Authorization reaches the backend serving its request, unchanged; the
     proxy's own /slots checks never carry it."""
     token = "Bearer sk-" + secrets.token_hex(8)
-    with running(Fake("ok")) as plain, running(Fake("ok", speculative=True)) as spec, \
-            serve_in_thread(ProxyConfig(plain.url, spec.url, port=0)) as px:
+    plain, spec = Fake("ok"), Fake("ok", speculative=True)
+    with (
+        serve(plain) as plain_srv,
+        serve(spec) as spec_srv,
+        serve_in_thread(ProxyConfig(plain_srv.url, spec_srv.url, port=0)) as px,
+    ):
         px.check_backends()
-        httpx.post(px.url + "/v1/completions", headers={"Authorization": token},
-                   json=request_body("completions", stream=False, logprobs=True), timeout=30)
-        httpx.post(px.url + "/v1/completions", headers={"Authorization": token},
-                   json=request_body("completions", stream=False, logprobs=False), timeout=30)
+        httpx.post(
+            px.url + "/v1/completions",
+            headers={"Authorization": token},
+            json=request_body("completions", stream=False, logprobs=True),
+            timeout=30,
+        )
+        httpx.post(
+            px.url + "/v1/completions",
+            headers={"Authorization": token},
+            json=request_body("completions", stream=False, logprobs=False),
+            timeout=30,
+        )
         px.check_backends()
-    gen = [(f.mode, h) for f in (plain, spec) for h in f.hits if h.path == "/v1/completions"]
-    assert len(gen) == 2
-    assert all(h.headers.get("Authorization") == token for _, h in gen)
+    # one request each: the logprobs one went to plain, the other to spec
+    (to_plain,) = [h for h in plain.hits if h.path == "/v1/completions"]
+    (to_spec,) = [h for h in spec.hits if h.path == "/v1/completions"]
+    assert json.loads(to_plain.body)["logprobs"] == TOP
+    assert "logprobs" not in json.loads(to_spec.body)
+    gen = [to_plain, to_spec]
+    assert all(h.headers.get("Authorization") == token for h in gen)
     probes = [h for f in (plain, spec) for h in f.hits if h.path in ("/health", "/slots")]
     assert probes and all("Authorization" not in h.headers for h in probes)
     # no other client header is passed on
-    assert all(set(h.headers) <= {"Host", "Authorization", "Content-Type", "Content-Length",
-                                  "Accept", "Accept-Encoding"} for _, h in gen)
+    assert all(
+        set(h.headers)
+        <= {"Host", "Authorization", "Content-Type", "Content-Length", "Accept", "Accept-Encoding"}
+        for h in gen
+    )
 
 
 def test_authorization_never_logged_in_process(
@@ -127,26 +182,36 @@ def test_authorization_never_logged_in_process(
     secret = "sk-" + secrets.token_hex(12)
     auth = {"Authorization": f"Bearer {secret}"}
     plain, spec = urls
-    with caplog.at_level(logging.DEBUG), running(Fake("garbage-json")) as garbage, \
-            running(Fake("slow", delay=3)) as slow:
-        for p, s in ((plain, spec), (f"http://127.0.0.1:{free_port()}", garbage.url),
-                     (slow.url, slow.url)):
+    with (
+        caplog.at_level(logging.DEBUG),
+        serve(Fake("garbage-json")) as garbage,
+        serve(Fake("slow", delay=3)) as slow,
+    ):
+        for p, s in (
+            (plain, spec),
+            (f"http://127.0.0.1:{free_port()}", garbage.url),
+            (slow.url, slow.url),
+        ):
             cfg = ProxyConfig(p, s, port=0, read_timeout=0.5, max_body_bytes=1024)
             kinds = list(PATHS) if p == plain else ["chat"]
             with serve_in_thread(cfg) as px, httpx.Client(timeout=30, headers=auth) as c:
                 for kind in kinds:
                     for lp in (False, True):
                         for stream in (False, True):
-                            c.post(px.url + PATHS[kind],
-                                   json=request_body(kind, stream=stream, logprobs=lp, n=2))
+                            c.post(
+                                px.url + PATHS[kind],
+                                json=request_body(kind, stream=stream, logprobs=lp, n=2),
+                            )
                 c.post(px.url + "/v1/completions", content=b"{bad json")
                 c.post(px.url + "/v1/completions", content=b"x" * 5000)
                 c.get(px.url + "/nope")
                 c.get(px.url + "/v1/models")
                 port = int(px.url.rsplit(":", 1)[1])
-                raw_http(port, f"GET /health HTTP/1.1\r\nAuthorization: Bearer {secret}\r\n"
-                               f"Bad Header Line {secret}\r\nConnection: close\r\n\r\n"
-                               .encode())
+                raw_http(
+                    port,
+                    f"GET /health HTTP/1.1\r\nAuthorization: Bearer {secret}\r\n"
+                    f"Bad Header Line {secret}\r\nConnection: close\r\n\r\n".encode(),
+                )
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "POST /v1/completions" in text  # the access log was captured
     assert secret not in text
@@ -157,10 +222,22 @@ def test_cli_logs_no_authorization_and_stops_cleanly(urls: tuple[str, str]) -> N
     secret = "sk-" + secrets.token_hex(12)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from specaudit.cli import main; main()", "proxy",
-         "--plain", urls[0], "--spec", urls[1], "--listen", f"127.0.0.1:{port}",
-         "--log-level", "debug"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-c",
+            "from specaudit.cli import main; main()",
+            "proxy",
+            "--plain",
+            urls[0],
+            "--spec",
+            urls[1],
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "debug",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -175,8 +252,10 @@ def test_cli_logs_no_authorization_and_stops_cleanly(urls: tuple[str, str]) -> N
             time.sleep(0.1)
         with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {secret}"}) as c:
             for lp in (False, True):
-                r = c.post(url + "/v1/chat/completions",
-                           json=request_body("chat", stream=True, logprobs=lp, n=3))
+                r = c.post(
+                    url + "/v1/chat/completions",
+                    json=request_body("chat", stream=True, logprobs=lp, n=3),
+                )
                 assert r.status_code == 200
             assert c.post(url + "/v1/chat/completions", content=b"[]").status_code == 400
         proc.send_signal(signal.SIGTERM)
@@ -195,22 +274,21 @@ def test_cli_logs_no_authorization_and_stops_cleanly(urls: tuple[str, str]) -> N
 def test_body_limit_checked_before_reading(proxy: Any) -> None:
     port = int(proxy.url.rsplit(":", 1)[1])
     # a 10 GB claim is refused from the header alone, without waiting for the body
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 10000000000\r\nConnection: close\r\n\r\n{")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10000000000\r\nConnection: close\r\n\r\n{"
+    )
     answer = raw_http(port, head)
     assert status_of(answer) == 413 and b"limit is 65536" in answer
-    r = httpx.post(proxy.url + "/v1/completions", timeout=30,
-                   json={"prompt": "a" * 70000, "max_tokens": 1})
+    r = httpx.post(
+        proxy.url + "/v1/completions", timeout=30, json={"prompt": "a" * 70000, "max_tokens": 1}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
-def test_cli_refuses_a_speculating_plain_backend(urls: tuple[str, str]) -> None:
-    r = subprocess.run(
-        [sys.executable, "-c", "from specaudit.cli import main; main()", "proxy",
-         "--plain", urls[1], "--spec", urls[1], "--listen", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert r.returncode == 2
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+def test_cli_refuses_a_speculating_plain_backend(urls: tuple[str, str], cli: CliFn) -> None:
+    code, _, err = cli("proxy", "--plain", urls[1], "--spec", urls[1], "--listen", "127.0.0.1:0")
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "refusing to start" in lines[0] and "speculates" in lines[0]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err

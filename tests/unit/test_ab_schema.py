@@ -9,16 +9,16 @@ integration tests run the same check on live `specaudit ab --json` output.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from ab_schema import check_against, doc_schema
 from specaudit import ab
 from specaudit.report import to_jsonable
 
-ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "ab.md"
-DATA = ROOT / "tests" / "data" / "responses"
+DATA = Path(__file__).resolve().parents[1] / "data" / "responses"
 
 _SIDE = {
     "": "object",
@@ -111,74 +111,6 @@ SCHEMA: dict[str, str] = {
 }
 
 
-def doc_schema(text: str | None = None) -> dict[str, str]:
-    """The path -> type table between the schema markers of docs/ab.md."""
-    text = text if text is not None else DOC.read_text()
-    block = text.split("<!-- schema:start -->", 1)[1].split("<!-- schema:end -->", 1)[0]
-    out: dict[str, str] = {}
-    for line in block.splitlines():
-        m = re.match(r"^\| `([^`]+)` \| ([^|]+(?:\\\|[^|]+)*) \|", line)
-        if m:
-            out[m.group(1)] = "|".join(t.strip() for t in m.group(2).split("\\|"))
-    return out
-
-
-def _type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, str):
-        return "str"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    raise AssertionError(f"not a JSON value: {v!r}")
-
-
-def flatten(
-    obj: Any, path: str = "", out: dict[str, set[str]] | None = None
-) -> dict[str, set[str]]:
-    """path -> set of JSON types seen there (``a.b`` keys, ``a[]`` array elements)."""
-    out = {} if out is None else out
-    if path:
-        out.setdefault(path, set()).add(_type(obj))
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            flatten(v, f"{path}.{k}" if path else k, out)
-    elif isinstance(obj, list):
-        for v in obj:
-            flatten(v, f"{path}[]", out)
-    return out
-
-
-def check_against(schema: dict[str, str], instances: list[Any], require_all: bool = True) -> None:
-    """Every seen path listed with a compatible type; every listed path seen somewhere.
-
-    `require_all=False` (one live result) only requires the top-level keys: an empty array
-    or a null object legitimately hides the paths below it.
-    """
-    seen: dict[str, set[str]] = {}
-    for inst in instances:
-        for p, types in flatten(json.loads(json.dumps(inst))).items():
-            seen.setdefault(p, set()).update(types)
-    unlisted = sorted(set(seen) - set(schema))
-    assert not unlisted, f"paths in the JSON but not in the schema: {unlisted}"
-    for p, types in seen.items():
-        allowed = set(schema[p].split("|"))
-        if "float" in allowed:
-            allowed.add("int")  # an integral float value may serialise as an int
-        assert types <= allowed, f"{p}: saw {sorted(types)}, schema says {schema[p]}"
-    wanted = set(schema) if require_all else {p for p in schema if "." not in p and "[" not in p}
-    missing = sorted(wanted - set(seen))
-    assert not missing, f"schema paths never seen in the JSON: {missing}"
-
-
 def recorded_results() -> list[dict[str, Any]]:
     """Results analysed from real recorded Gemma responses: a fault run and a 1-seed run."""
     out = []
@@ -242,19 +174,14 @@ def test_schema_version() -> None:
 
 def test_checker_catches_drift() -> None:
     res = recorded_results()
+    check_against(SCHEMA, res)  # the baseline passes: each failure below is the drift's own
     extra = json.loads(json.dumps(res[0]))
     extra["plain"]["new_key"] = 1
+    with pytest.raises(AssertionError, match=r"not in the schema: \['plain.new_key'\]"):
+        check_against(SCHEMA, [*res, extra])
     retyped = json.loads(json.dumps(res[0]))
     retyped["settings"]["seeds"] = "5"
-    for bad in (extra, retyped):
-        try:
-            check_against(SCHEMA, [*res, bad])
-        except AssertionError:
-            continue
-        raise AssertionError("schema drift went unnoticed")
-    try:
+    with pytest.raises(AssertionError, match=r"settings.seeds: saw \['int', 'str'\]"):
+        check_against(SCHEMA, [*res, retyped])
+    with pytest.raises(AssertionError, match=r"never seen in the JSON: \['ghost'\]"):
         check_against({**SCHEMA, "ghost": "int"}, res)
-    except AssertionError:
-        pass
-    else:
-        raise AssertionError("a documented path that never appears went unnoticed")

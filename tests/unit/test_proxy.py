@@ -206,12 +206,15 @@ def test_recorded_spec_stream_missing_entries_are_added_as_null(
 
 
 @pytest.mark.parametrize(
-    "name", ["chat-logprobs2", "completions-logprobs2", "completion-n_probs2",
-             "completion-n_probs2-post"]
+    "name",
+    ["chat-logprobs2", "completions-logprobs2", "completion-n_probs2", "completion-n_probs2-post"],
 )
 def test_recorded_plain_stream_passes_untouched(name: str) -> None:
-    kind = Kind.CHAT if name.startswith("chat") else (
-        Kind.COMPLETIONS if name.startswith("completions") else Kind.COMPLETION)
+    kind = (
+        Kind.CHAT
+        if name.startswith("chat")
+        else (Kind.COMPLETIONS if name.startswith("completions") else Kind.COMPLETION)
+    )
     n = 0
     for ev in events(f"fixture-plain-{name}-stream.sse"):
         obj = sse.parse_event(ev)
@@ -243,9 +246,18 @@ def test_native_stream_event_with_several_token_ids() -> None:
 
 
 def test_legacy_completions_form() -> None:
-    body = {"choices": [{"text": "ab", "logprobs": {
-        "tokens": ["a", "b"], "token_logprobs": [-0.5, 0.0],
-        "top_logprobs": [{"a": -0.5, "b": -1.0}, {}]}}]}
+    body = {
+        "choices": [
+            {
+                "text": "ab",
+                "logprobs": {
+                    "tokens": ["a", "b"],
+                    "token_logprobs": [-0.5, 0.0],
+                    "top_logprobs": [{"a": -0.5, "b": -1.0}, {}],
+                },
+            }
+        ]
+    }
     t = check_body(Kind.COMPLETIONS, body, 2)
     assert (t.tokens, t.placeholders) == (2, 1)
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, None]
@@ -254,10 +266,12 @@ def test_legacy_completions_form() -> None:
 def test_several_choices_are_all_checked() -> None:
     entry_real = {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}
     entry_ph = {"token": "b", "logprob": 0.0, "top_logprobs": []}
-    body = {"choices": [
-        {"index": 0, "logprobs": {"content": [dict(entry_real), dict(entry_ph)]}},
-        {"index": 1, "logprobs": {"content": [dict(entry_ph)]}},
-    ]}
+    body = {
+        "choices": [
+            {"index": 0, "logprobs": {"content": [dict(entry_real), dict(entry_ph)]}},
+            {"index": 1, "logprobs": {"content": [dict(entry_ph)]}},
+        ]
+    }
     assert check_body(Kind.CHAT, body, 1).placeholders == 2
 
 
@@ -265,10 +279,10 @@ def test_several_choices_are_all_checked() -> None:
 
 
 def test_split_events_keeps_bytes_and_rest() -> None:
-    buf = b"data: {\"a\":1}\n\ndata: [DONE]\n\ndata: {\"b\""
+    buf = b'data: {"a":1}\n\ndata: [DONE]\n\ndata: {"b"'
     evs, rest = sse.split_events(buf)
-    assert evs == [b"data: {\"a\":1}\n\n", b"data: [DONE]\n\n"]
-    assert rest == b"data: {\"b\""
+    assert evs == [b'data: {"a":1}\n\n', b"data: [DONE]\n\n"]
+    assert rest == b'data: {"b"'
     assert b"".join(evs) + rest == buf
 
 
@@ -284,7 +298,7 @@ def test_parse_event_rejects_garbage() -> None:
         sse.parse_event(b"hello world\n\n")
     with pytest.raises(sse.BadEvent):
         sse.parse_event(b"data: {not json\n\n")
-    assert sse.parse_event(b"event: x\ndata: {\"a\": 1}\n\n") == {"a": 1}
+    assert sse.parse_event(b'event: x\ndata: {"a": 1}\n\n') == {"a": 1}
 
 
 def test_encode_event_is_compact_like_llama_server() -> None:
@@ -297,8 +311,15 @@ def test_encode_event_is_compact_like_llama_server() -> None:
 def test_backend_urls_are_normalised_and_checked() -> None:
     assert config.backend_url("http://127.0.0.1:8080/") == "http://127.0.0.1:8080"
     assert config.backend_url("http://h:1/prefix/") == "http://h:1/prefix"
-    for bad in ("127.0.0.1:8080", "ftp://h", "http://user:pw@h:1", "http://h:1/?x=1", "http://"):
-        with pytest.raises(config.ProxyError):
+    for bad, why in (
+        ("127.0.0.1:8080", "must start with http:// or https://"),
+        ("ftp://h", "must start with http:// or https://"),
+        ("http://user:pw@h:1", "must not carry credentials"),
+        ("http://h:1/?x=1", "must not have a query or fragment"),
+        ("http://", "has no host"),
+        ("http://h:99999", "has an invalid port"),
+    ):
+        with pytest.raises(config.ProxyError, match=why):
             config.backend_url(bad)
 
 
@@ -307,19 +328,26 @@ def test_listen_parsing_defaults_to_loopback() -> None:
     assert config.parse_listen(":0") == ("127.0.0.1", 0)
     assert config.parse_listen("0.0.0.0:9") == ("0.0.0.0", 9)
     assert config.parse_listen("[::1]:9") == ("::1", 9)
-    for bad in ("host:", "h:99999", "[::1]9"):
-        with pytest.raises(config.ProxyError):
+    for bad, why in (
+        ("host:", "--listen port must be a number"),
+        ("h:99999", "--listen port must be a number"),
+        ("[::1]9", "--listen must be HOST:PORT"),
+    ):
+        with pytest.raises(config.ProxyError, match=why):
             config.parse_listen(bad)
     c = config.ProxyConfig("http://127.0.0.1:1", "http://127.0.0.1:2")
     assert c.host == "127.0.0.1" and c.loopback
-    assert "api_key" not in repr(config.ProxyConfig("http://a:1", "http://b:2",
-                                                    plain_api_key="sekrit"))
+    assert "api_key" not in repr(
+        config.ProxyConfig("http://a:1", "http://b:2", plain_api_key="sekrit")
+    )
 
 
 def test_config_rejects_nonsense() -> None:
-    with pytest.raises(config.ProxyError):
+    with pytest.raises(config.ProxyError, match="read-timeout must be positive"):
         config.ProxyConfig("http://a:1", "http://b:2", read_timeout=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(config.ProxyError, match="port 70000 is out of range"):
+        config.ProxyConfig("http://a:1", "http://b:2", port=70000)
+    with pytest.raises(ValueError, match="'ignore' is not a valid"):
         config.ProxyConfig("http://a:1", "http://b:2", on_plain_down="ignore")  # type: ignore
 
 
@@ -333,8 +361,10 @@ def test_prometheus_text() -> None:
     m.placeholders.inc("spec", by=5)
     m.backend_up.set("plain", value=1)
     text = m.render()
-    assert ('specaudit_proxy_requests_total{endpoint="/v1/completions",route="logprobs",'
-            'backend="plain",status="200"} 2') in text
+    assert (
+        'specaudit_proxy_requests_total{endpoint="/v1/completions",route="logprobs",'
+        'backend="plain",status="200"} 2'
+    ) in text
     assert 'specaudit_proxy_placeholders_caught_total{backend="spec"} 5' in text
     assert "# TYPE specaudit_proxy_errors_total counter" in text
     for line in text.splitlines():

@@ -49,8 +49,17 @@ WRONG: dict[str, list[object]] = {
     "stop": [1, [1], {}, True, ["a", 2]],
 }
 WRONG_MESSAGES: list[object] = [
-    5, "hi", {}, [], [1], [None], [{"content": "a"}], [{"role": 1, "content": "a"}],
-    [{"role": "user", "content": 5}], [{"role": "user", "content": {"x": 1}}], None,
+    5,
+    "hi",
+    {},
+    [],
+    [1],
+    [None],
+    [{"content": "a"}],
+    [{"role": 1, "content": "a"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": {"x": 1}}],
+    None,
 ]
 WRONG_PROMPT: list[object] = [5, True, 1.5, False]
 
@@ -82,12 +91,14 @@ def cases(rng: random.Random, n: int) -> Iterator[tuple[str, str, bytes, str]]:
             v = rng.choice([[], [1, 2], 1, -1.5, "s", None, True, [base]])
             yield "POST", path, _json(v), "not-object"
         elif r < 0.42:  # NaN / Infinity, duplicate keys
-            raw = rng.choice([
-                _json(base)[:-1] + b', "temperature": NaN}',
-                _json(base)[:-1] + b', "top_p": Infinity}',
-                _json(base)[:-1] + b', "stream": true, "stream": false}',
-                _json(base)[:-1] + b', "logprobs": 2, "logprobs": 0}',
-            ])
+            raw = rng.choice(
+                [
+                    _json(base)[:-1] + b', "temperature": NaN}',
+                    _json(base)[:-1] + b', "top_p": Infinity}',
+                    _json(base)[:-1] + b', "stream": true, "stream": false}',
+                    _json(base)[:-1] + b', "logprobs": 2, "logprobs": 0}',
+                ]
+            )
             yield "POST", path, raw, "ambiguous"
         elif r < 0.80:  # one wrongly typed field
             field = rng.choice(list(WRONG))
@@ -107,11 +118,19 @@ def cases(rng: random.Random, n: int) -> Iterator[tuple[str, str, bytes, str]]:
         elif r < 0.97:  # empty body
             yield "POST", path, rng.choice([b"", b" ", b"\n\t"]), "empty"
         else:  # unknown paths and wrong methods
-            m, p = rng.choice([
-                ("GET", path), ("PUT", path), ("DELETE", "/v1/models"),
-                ("POST", "/v1/embeddings"), ("POST", "/slots"), ("GET", "/props"),
-                ("POST", path + "/"), ("POST", "/v1//completions"), ("GET", "/../etc/passwd"),
-            ])
+            m, p = rng.choice(
+                [
+                    ("GET", path),
+                    ("PUT", path),
+                    ("DELETE", "/v1/models"),
+                    ("POST", "/v1/embeddings"),
+                    ("POST", "/slots"),
+                    ("GET", "/props"),
+                    ("POST", path + "/"),
+                    ("POST", "/v1//completions"),
+                    ("GET", "/../etc/passwd"),
+                ]
+            )
             yield m, p, _json(base), "path/method"
 
 
@@ -131,8 +150,9 @@ async def fire(url: str, batch: list[tuple[str, str, bytes, str]], conc: int) ->
         async def worker() -> None:
             for method, path, body, cat in todo:
                 try:
-                    async with s.request(method, url + path, data=body, headers={
-                        "Content-Type": "application/json"}) as r:
+                    async with s.request(
+                        method, url + path, data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
                         raw = await r.read()
                         status = r.status
                 except aiohttp.ClientError as e:
@@ -160,8 +180,13 @@ def test_fuzz_every_bad_request_gets_a_4xx_with_a_message() -> None:
     cats = Counter(c[3].split(":")[0] for c in batch)
     assert len(batch) >= 10_000 and len(cats) >= 10
     dead_plain, dead_spec = free_port(), free_port()
-    cfg = ProxyConfig(f"http://127.0.0.1:{dead_plain}", f"http://127.0.0.1:{dead_spec}",
-                      port=0, max_body_bytes=LIMIT, check_interval=3600)
+    cfg = ProxyConfig(
+        f"http://127.0.0.1:{dead_plain}",
+        f"http://127.0.0.1:{dead_spec}",
+        port=0,
+        max_body_bytes=LIMIT,
+        check_interval=3600,
+    )
     with serve_in_thread(cfg) as px:
         problems = asyncio.run(fire(px.url, batch[:WARMUP], 8))
         before = rss_kib()
@@ -170,13 +195,15 @@ def test_fuzz_every_bad_request_gets_a_4xx_with_a_message() -> None:
         stats = px.stats()
         # still healthy and serving after the storm
         health = asyncio.run(_get(px.url + "/health"))
-    print(f"fuzz: {len(batch)} requests, categories {dict(cats)}; "
-          f"RSS {before} KiB -> {after} KiB ({after - before:+d} KiB)")
+    print(
+        f"fuzz: {len(batch)} requests, categories {dict(cats)}; "
+        f"RSS {before} KiB -> {after} KiB ({after - before:+d} KiB)"
+    )
     assert problems == [], problems[:20]
     assert stats.requests == len(batch)
     assert sum(stats.errors.values()) == len(batch)
     assert set(stats.errors) <= {"bad_request", "body_too_large", "not_found", "bad_method"}
-    assert health in (200, 503)  # the proxy answers; both backends are closed ports
+    assert health == 503  # the proxy answers: down, both backends are closed ports
     assert after - before < 32 * 1024, f"RSS grew {after - before} KiB over {len(batch) - WARMUP}"
 
 

@@ -10,6 +10,7 @@ files into `LlamaServer` arguments; `server` builds the (not yet started) `Llama
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +96,11 @@ def server(
     ctx_per_slot: int | None = None,
     log_path: Path | None = None,
     name: str = "llama-server",
+    extra_args: Sequence[str] = (),
 ) -> LlamaServer:
     """A `LlamaServer` (not started) sized by the `kind` ("fixture"/"gemma") policy; `parallel`
-    and `ctx_per_slot` override it for workloads that need other sizes."""
+    and `ctx_per_slot` override it for workloads that need other sizes; `extra_args` are
+    appended after the policy's own arguments."""
     pol = POLICIES[kind]
     n_par = parallel or pol.parallel
     per_slot = ctx_per_slot or pol.ctx_per_slot
@@ -108,7 +111,7 @@ def server(
         spec_type=spec_type or None,
         parallel=n_par,
         ctx_size=n_par * per_slot,
-        extra_args=["-t", str(pol.threads)] if pol.threads else [],
+        extra_args=[*(["-t", str(pol.threads)] if pol.threads else []), *extra_args],
         log_path=log_path,
         name=name,
     )

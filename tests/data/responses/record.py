@@ -1,7 +1,7 @@
 """Record real llama-server responses for the logprobs schema tests.
 
 Usage: ``python tests/data/responses/record.py NAME=URL ...`` with servers started the way
-`specaudit.audit.SERVERS` describes (fixture-plain, fixture-spec, gemma-plain, gemma-spec,
+`specaudit.llama.presets.PRESETS` describes (fixture-plain, fixture-spec, gemma-plain, gemma-spec,
 gemma-ngram). Writes ``check-<NAME>.json`` next to this file: ``/slots``, ``/props`` and, per probe
 (chat, completions, native, native-post), the request body, the non-streamed response and the
 raw SSE text of the streamed one. Responses are stored untouched.

@@ -1,113 +1,75 @@
 """`specaudit check` without llama-server: the whole pipeline over *replayed* real responses
-(tests/data/responses/check-*.json) for parsing, and small fake HTTP servers for the error
-paths, which run the real CLI in a subprocess (exit 2, one `error:` line, no traceback)."""
+(tests/data/responses/check-*.json) for parsing, and small fake HTTP servers (tests/fakes.py)
+for the error paths, which run the real CLI in-process (exit 2, one `error:` line, no
+traceback)."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from aiohttp import web
 
+from fakes import Handler, serve
 from specaudit import check
 from specaudit.llama.server import free_port
 
 DATA = Path(__file__).parents[1] / "data" / "responses"
-CLI = Path(sys.executable).parent / "specaudit"
-
-Handler = Callable[[http.server.BaseHTTPRequestHandler, str, dict[str, Any] | None], None]
-
-
-def _serve(handler_cls: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+CliFn = Callable[..., tuple[int, str, str]]
+NOT_FOUND = b'{"error": {"code": 404, "message": "Not Found"}}'
+FILE_NOT_FOUND = b'{"error": {"code": 404, "message": "File Not Found"}}'
 
 
-def _send(h: http.server.BaseHTTPRequestHandler, code: int, body: bytes, ctype: str) -> None:
-    h.send_response(code)
-    h.send_header("Content-Type", ctype)
-    h.send_header("Content-Length", str(len(body)))
-    h.end_headers()
-    h.wfile.write(body)
-
-
-def _replay_handler(
-    name: str, slots: bool = True, strip_logprobs: bool = False
-) -> type[http.server.BaseHTTPRequestHandler]:
+def _replay_handler(name: str, slots: bool = True, strip_logprobs: bool = False) -> Handler:
     """Answers like the recorded llama-server did (responses are real, only replayed)."""
     rec = json.loads((DATA / f"check-{name}.json").read_text())
     paths = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
-    class H(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            if self.path == "/slots" and slots:
-                _send(self, 200, json.dumps(rec["slots"]).encode(), "application/json")
-            elif self.path == "/props":
-                _send(self, 200, json.dumps(rec["props"]).encode(), "application/json")
-            else:
-                _send(
-                    self,
-                    404,
-                    b'{"error": {"code": 404, "message": "File Not Found"}}',
-                    "application/json",
-                )
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            kind = paths.get(self.path)
-            if self.path == "/completion":
-                kind = "native-post" if body.get("post_sampling_probs") else "native"
-            if kind is None or kind not in rec:
-                _send(
-                    self,
-                    404,
-                    b'{"error": {"code": 404, "message": "Not Found"}}',
-                    "application/json",
-                )
-                return
-            if body.get("stream"):
-                text = rec[kind]["stream_sse"]
-                if strip_logprobs:
-                    lines = []
-                    for ln in text.splitlines():
-                        if ln.startswith("data: {"):
-                            ev = json.loads(ln[6:])
-                            for ch in ev.get("choices", []):
-                                ch.pop("logprobs", None)
-                            ev.pop("completion_probabilities", None)
-                            ln = "data: " + json.dumps(ev)
-                        lines.append(ln)
-                    text = "\n".join(lines) + "\n"
-                _send(self, 200, text.encode(), "text/event-stream")
-                return
-            resp = json.loads(json.dumps(rec[kind]["response"]))
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "GET":
+            if request.path_qs == "/slots" and slots:
+                return web.json_response(rec["slots"])
+            if request.path_qs == "/props":
+                return web.json_response(rec["props"])
+            return web.Response(status=404, body=FILE_NOT_FOUND, content_type="application/json")
+        body = json.loads(await request.read())
+        kind = paths.get(request.path_qs)
+        if request.path_qs == "/completion":
+            kind = "native-post" if body.get("post_sampling_probs") else "native"
+        if kind is None or kind not in rec:
+            return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+        if body.get("stream"):
+            text = rec[kind]["stream_sse"]
             if strip_logprobs:
-                for ch in resp.get("choices", []):
-                    ch["logprobs"] = None
-                resp.pop("completion_probabilities", None)
-            _send(self, 200, json.dumps(resp).encode(), "application/json")
+                lines = []
+                for ln in text.splitlines():
+                    if ln.startswith("data: {"):
+                        ev = json.loads(ln[6:])
+                        for ch in ev.get("choices", []):
+                            ch.pop("logprobs", None)
+                        ev.pop("completion_probabilities", None)
+                        ln = "data: " + json.dumps(ev)
+                    lines.append(ln)
+                text = "\n".join(lines) + "\n"
+            return web.Response(body=text.encode(), content_type="text/event-stream")
+        resp = json.loads(json.dumps(rec[kind]["response"]))
+        if strip_logprobs:
+            for ch in resp.get("choices", []):
+                ch["logprobs"] = None
+            resp.pop("completion_probabilities", None)
+        return web.json_response(resp)
 
-    return H
+    return handle
 
 
 @pytest.fixture
 def replay(request: pytest.FixtureRequest) -> Iterator[str]:
-    yield from _serve(_replay_handler(**request.param))
+    with serve(_replay_handler(**request.param)) as srv:
+        yield srv.url
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,15 +140,10 @@ def test_absent_endpoints_are_listed_not_fatal(replay: str) -> None:
 
 
 @pytest.mark.parametrize("replay", [{"name": "gemma-spec"}], indirect=True)
-def test_cli_json_over_replay(replay: str) -> None:
-    p = subprocess.run(
-        [str(CLI), "check", replay, "--endpoint", "completion", "--no-stream", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert p.returncode == 1, p.stderr
-    body = json.loads(p.stdout)
+def test_cli_json_over_replay(cli: CliFn, replay: str) -> None:
+    code, out, err = cli("check", replay, "--endpoint", "completion", "--no-stream", "--json")
+    assert code == 1, err
+    body = json.loads(out)
     assert body["verdict"] == "placeholders" and body["exit_code"] == 1
     assert body["placeholders_by_endpoint"] == {"completions": 23, "native": 23, "native-post": 23}
     tok = body["endpoints"][0]["tokens"][1]
@@ -220,76 +177,73 @@ def test_bad_options_raise(kwargs: dict[str, Any], message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# error paths through the real CLI
+# error paths through the real CLI (in-process, the shared `cli` fixture)
 
 
-def _cli_no_decision(url: str, *extra: str) -> str:
-    p = subprocess.run(
-        [str(CLI), "check", url, "--timeout", "10", *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.splitlines()
-    assert len(lines) == 1, p.stderr
+def _no_decision(cli: CliFn, url: str, *extra: str) -> str:
+    """Runs ``specaudit check URL``; asserts exit 2 with one ``error:`` line and returns it."""
+    code, out, err = cli("check", url, "--timeout", "10", *extra)
+    assert code == 2, (code, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("error: ")
-    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    assert "Traceback" not in err and "Traceback" not in out
     return lines[0]
 
 
-def test_closed_port() -> None:
-    line = _cli_no_decision(f"http://127.0.0.1:{free_port()}")
+def _always(status: int, body: bytes, ctype: str) -> Handler:
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(status=status, body=body, content_type=ctype)
+
+    return handle
+
+
+def _web_site(root: Path) -> Handler:
+    """A plain static web site, as `python -m http.server` answers: files for GET, 404 for
+    anything else asked for, 501 for other methods."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method != "GET":
+            return web.Response(status=501, body=b"<html>Unsupported method</html>",
+                                content_type="text/html")  # fmt: skip
+        f = root / (request.path.lstrip("/") or "index.html")
+        if f.parent == root and f.is_file():
+            return web.Response(body=f.read_bytes(), content_type="text/html")
+        return web.Response(status=404, body=b"<html>File not found</html>",
+                            content_type="text/html")  # fmt: skip
+
+    return handle
+
+
+def test_closed_port(cli: CliFn) -> None:
+    line = _no_decision(cli, f"http://127.0.0.1:{free_port()}")
     assert "cannot connect" in line
 
 
-def test_server_answering_500() -> None:
-    class H(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            _send(self, 500, b"internal error\nwith a second line", "text/plain")
-
-        do_POST = do_GET
-
-    for url in _serve(H):
-        line = _cli_no_decision(url)
-        assert "HTTP 500" in line
+def test_server_answering_500(cli: CliFn) -> None:
+    with serve(_always(500, b"internal error\nwith a second line", "text/plain")) as srv:
+        line = _no_decision(cli, srv.url)
+    assert "HTTP 500" in line
 
 
-def test_server_answering_non_json() -> None:
-    class H(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            _send(self, 200, b"<html><body>hello</body></html>", "text/html")
-
-        do_POST = do_GET
-
-    for url in _serve(H):
-        line = _cli_no_decision(url)
-        assert "non-JSON" in line
+def test_server_answering_non_json(cli: CliFn) -> None:
+    with serve(_always(200, b"<html><body>hello</body></html>", "text/html")) as srv:
+        line = _no_decision(cli, srv.url)
+    assert "non-JSON" in line
 
 
-def test_plain_http_server_without_llm_endpoints(tmp_path: Path) -> None:
+def test_plain_http_server_without_llm_endpoints(cli: CliFn, tmp_path: Path) -> None:
     (tmp_path / "index.html").write_text("<html>just a web site</html>")
-
-    class H(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, directory=str(tmp_path), **kw)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    for url in _serve(H):
-        line = _cli_no_decision(url)
+    with serve(_web_site(tmp_path)) as srv:
+        assert httpx.get(srv.url + "/").text == "<html>just a web site</html>"
+        line = _no_decision(cli, srv.url)
         assert "not an LLM server" in line
         # a single endpoint asked for, same answer
-        line = _cli_no_decision(url, "--endpoint", "chat")
+        line = _no_decision(cli, srv.url, "--endpoint", "chat")
         assert "not an LLM server" in line
 
 
-def test_bad_option_is_exit_2_one_line() -> None:
-    _cli_no_decision("http://127.0.0.1:1", "--top-k", "0")
+def test_bad_option_is_exit_2_one_line(cli: CliFn) -> None:
+    # Port 1 is closed: had validation not fired first, the error would be about connecting.
+    line = _no_decision(cli, "http://127.0.0.1:1", "--top-k", "0")
+    assert "Invalid value for '--top-k'" in line and "cannot connect" not in line

@@ -8,8 +8,6 @@ second fixture with other numbers, built here, served by this module's own serve
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from specaudit.audit.sections import dist as dist_section
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
+CliFn = Callable[..., tuple[int, str, str]]
 SERVER_SEEDS = range(1, 1001)  # the report's 1000 seeds
 EXAMPLE_SEEDS = range(1, 301)  # the example's bias is gross: 300 runs are plenty
 
@@ -84,20 +83,16 @@ def test_sequential_flags_the_example_within_50_samples(
 
 
 def test_cli_url_engine_json_and_plot(
-    server: Callable, fixture_set: fixtures.FixtureSet, tmp_path: Path
+    server: Callable, fixture_set: fixtures.FixtureSet, tmp_path: Path, cli: CliFn
 ) -> None:
     png = tmp_path / "dist.png"
     url = server("fixture-spec").url
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "specaudit", "dist", "--engine", "url", "--url", url,
-            "--fixture", str(fixture_set.dir), "--seeds", "300", "--tolerance", "0.3",
-            "--plot", str(png), "--json",
-        ],
-        capture_output=True, text=True, timeout=600,
+    code, out, err = cli(
+        "dist", "--engine", "url", "--url", url, "--fixture", str(fixture_set.dir),
+        "--seeds", "300", "--tolerance", "0.3", "--plot", str(png), "--json",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    assert code == 0, err
+    data = json.loads(out)
     (eng,) = data["engines"]
     assert eng["verdict"] == "PRESERVED"
     assert eng["n_samples"] == 300 and eng["drafted"] > 0
@@ -153,7 +148,9 @@ def test_other_fixture_server_with_draft_preserves(
 ) -> None:
     res = _server_result(other_servers["spec"], other_fixture, "server-spec")
     assert res.verdict is Verdict.PRESERVED, res.reason
+    # speculation really happened: the server drafted and accepted tokens
     assert res.drafted is not None and res.drafted > 1000
+    assert res.accepted is not None and res.accepted > 0
 
 
 def test_other_fixture_speculative_example_is_broken(

@@ -6,8 +6,6 @@ tokens in one response."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,23 +15,21 @@ from specaudit import audit, check
 from specaudit.audit.sections import check as check_sections
 from specaudit.client import JSON, Client, StreamResult
 
-CLI = [sys.executable, "-m", "specaudit"]
+CliFn = Callable[..., tuple[int, str, str]]
 ALL_LABELS = {f"{k}{s}" for k in check.PROBE_KINDS for s in ("", " (stream)")}
 # Gemma copies this sentence over and over; the n-gram drafter only drafts repeated text.
 NGRAM_PROMPT = "Write the sentence 'I will not talk in class.' ten times, one per line."
 
 
-def _check_json(url: str, *args: str) -> tuple[int, dict[str, Any]]:
-    p = subprocess.run(
-        [*CLI, "check", url, "--json", *args], capture_output=True, text=True, timeout=600
-    )
-    assert p.returncode in (0, 1), p.stderr[-2000:]
-    assert p.stderr == ""
-    return p.returncode, json.loads(p.stdout)
+def _check_json(cli: CliFn, url: str, *args: str) -> tuple[int, dict[str, Any]]:
+    code, out, err = cli("check", url, "--json", *args)
+    assert code in (0, 1), err[-2000:]
+    assert err == ""
+    return code, json.loads(out)
 
 
-def test_fixture_plain_every_logprob_real(server: Callable[..., Any]) -> None:
-    rc, body = _check_json(server("fixture-plain").url, "--prompt", "bcdbc")
+def test_fixture_plain_every_logprob_real(server: Callable[..., Any], cli: CliFn) -> None:
+    rc, body = _check_json(cli, server("fixture-plain").url, "--prompt", "bcdbc")
     assert rc == 0 and body["verdict"] == "real" and body["exit_code"] == 0
     assert body["placeholders_by_endpoint"] == dict.fromkeys(ALL_LABELS, 0)
     for e in body["endpoints"]:
@@ -44,8 +40,8 @@ def test_fixture_plain_every_logprob_real(server: Callable[..., Any]) -> None:
     assert body["speculation"]["state"] == "no" and body["switch"] is None
 
 
-def test_fixture_spec_placeholders_everywhere(server: Callable[..., Any]) -> None:
-    rc, body = _check_json(server("fixture-spec").url, "--prompt", "bcdbc")
+def test_fixture_spec_placeholders_everywhere(server: Callable[..., Any], cli: CliFn) -> None:
+    rc, body = _check_json(cli, server("fixture-spec").url, "--prompt", "bcdbc")
     assert rc == 1 and body["verdict"] == "placeholders"
     by_ep = body["placeholders_by_endpoint"]
     assert set(by_ep) == ALL_LABELS and all(n > 0 for n in by_ep.values()), by_ep
@@ -67,28 +63,15 @@ def test_fixture_spec_placeholders_everywhere(server: Callable[..., Any]) -> Non
     assert sw["verdict"] == "ignored" and sw["draft_n_switch"] == sw["draft_n"] > 0
 
 
-def test_fixture_spec_human_output(server: Callable[..., Any]) -> None:
-    p = subprocess.run(
-        [
-            *CLI,
-            "check",
-            server("fixture-spec").url,
-            "--prompt",
-            "bcdbc",
-            "--endpoint",
-            "chat",
-            "--no-stream",
-            "--tokens",
-            "6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 1, p.stderr
-    assert "0 first" in p.stdout and "missing (sent 0)" in p.stdout
-    assert "hidden speculation" in p.stdout and "verdict: placeholders" in p.stdout
-    assert "per-request switch: ignored" in p.stdout
+def test_fixture_spec_human_output(server: Callable[..., Any], cli: CliFn) -> None:
+    code, out, err = cli(
+        "check", server("fixture-spec").url, "--prompt", "bcdbc", "--endpoint", "chat",
+        "--no-stream", "--tokens", "6",
+    )  # fmt: skip
+    assert code == 1, err
+    assert "0 first" in out and "missing (sent 0)" in out
+    assert "hidden speculation" in out and "verdict: placeholders" in out
+    assert "per-request switch: ignored" in out
 
 
 @pytest.fixture(scope="module")
