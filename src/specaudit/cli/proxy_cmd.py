@@ -20,7 +20,7 @@ EPILOG = (
     "for the proxy's own /slots checks (clients' Authorization headers are forwarded).\n\n"
     + EXIT_CODES_HELP.replace(
         "  0  OK: nothing found (every logprob real, distribution preserved, ...)",
-        "  0  stopped cleanly (SIGINT or SIGTERM)",
+        "  0  stopped cleanly (SIGINT or SIGTERM; in-flight requests get --shutdown-grace)",
     )
     .replace("  1  finding: placeholders found, distribution broken, instrument fault, ...\n", "")
     .replace(
@@ -82,6 +82,30 @@ EPILOG = (
     help="Longest silence from a backend, in seconds, before 504 (or an error event).",
 )
 @click.option(
+    "--client-timeout",
+    type=click.FloatRange(min=0.001),
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send a whole request, headers and body, from its first "
+    "byte (a new connection: from connecting); then 408 and the connection is closed.",
+)
+@click.option(
+    "--max-incomplete-requests",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Connections that may be sending a request at once; one more pushes out the one "
+    "sending longest (408).",
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT: seconds in-flight requests may still run; then streams end with "
+    "an error event, other requests get 503. A second signal ends it at once.",
+)
+@click.option(
     "--check-interval",
     type=click.FloatRange(min=0.1),
     default=10.0,
@@ -104,6 +128,9 @@ def command(
     max_body_bytes: int,
     connect_timeout: float,
     read_timeout: float,
+    client_timeout: float,
+    max_incomplete_requests: int,
+    shutdown_grace: float,
     check_interval: float,
     log_level: str,
     as_json: bool,
@@ -127,6 +154,9 @@ def command(
         max_body_bytes=max_body_bytes,
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
+        client_timeout=client_timeout,
+        max_incomplete_requests=max_incomplete_requests,
+        shutdown_grace=shutdown_grace,
         check_interval=check_interval,
         plain_api_key=os.environ.get("SPECAUDIT_PLAIN_API_KEY") or None,
         spec_api_key=os.environ.get("SPECAUDIT_SPEC_API_KEY") or None,

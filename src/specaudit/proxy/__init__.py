@@ -8,7 +8,8 @@ speculation, everything else to the fast one — done once, in front of every cl
 - role verification through ``/slots`` at start and periodically (`backends`);
 - SSE forwarded event by event, byte-identical; every response to a logprobs request checked
   token by token, placeholders rewritten to ``logprob: null`` (`placeholders`);
-- ``/health``, Prometheus ``/metrics``, body limit, timeouts, cancel on client disconnect.
+- ``/health``, Prometheus ``/metrics``, body limit, timeouts, cancel on client disconnect,
+  a deadline for clients sending their request, a graceful stop (`Proxy.stop`).
 
 Library use: ``with serve_in_thread(ProxyConfig(plain_url, spec_url, port=0)) as p: p.url``,
 or ``run(config)`` to serve in the foreground. See docs/proxy.md.

@@ -39,6 +39,13 @@ class ProxyConfig:
     total_timeout: float | None = None  # whole request; None: no limit beyond read_timeout
     check_interval: float = 10.0  # seconds between /slots role checks
     max_connections: int = 256  # per backend
+    # a client has this long from its request's first byte (a new connection: from connecting)
+    # to send the whole request, headers and body; then 408 and the connection is closed
+    client_timeout: float = 30.0
+    # connections still sending a request at once; a new one pushes out the oldest (408)
+    max_incomplete_requests: int = 256
+    # on stop (SIGTERM): how long in-flight requests may still run before they are ended
+    shutdown_grace: float = 5.0
     # Keys the proxy itself uses for /slots on backends started with --api-key. Client
     # requests carry their own Authorization, which is forwarded as sent.
     plain_api_key: str | None = field(default=None, repr=False)
@@ -50,12 +57,19 @@ class ProxyConfig:
         object.__setattr__(self, "on_plain_down", OnPlainDown(self.on_plain_down))
         if not 0 <= self.port <= 65535:
             raise ProxyError(f"port {self.port} is out of range")
-        for name in ("max_body_bytes", "max_response_bytes", "max_connections"):
+        for name in (
+            "max_body_bytes",
+            "max_response_bytes",
+            "max_connections",
+            "max_incomplete_requests",
+        ):
             if getattr(self, name) <= 0:
                 raise ProxyError(f"{name.replace('_', '-')} must be positive")
-        for name in ("connect_timeout", "read_timeout", "check_interval"):
-            if getattr(self, name) <= 0:
+        for name in ("connect_timeout", "read_timeout", "check_interval", "client_timeout"):
+            if not getattr(self, name) > 0:
                 raise ProxyError(f"{name.replace('_', '-')} must be positive")
+        if not self.shutdown_grace >= 0:
+            raise ProxyError("shutdown-grace must not be negative")
 
     @property
     def loopback(self) -> bool:

@@ -111,7 +111,9 @@ def _missing_entry(token: str, post_sampling: bool, token_id: int | None = None)
     if token_id is not None:
         e["id"] = token_id
     e["token"] = token
-    e["bytes"] = list(token.encode("utf-8"))
+    # a lone surrogate (a backend may send "\ud800", valid JSON) has no UTF-8 form; its
+    # surrogate-pass bytes keep the entry lossless instead of failing the whole response
+    e["bytes"] = list(token.encode("utf-8", "surrogatepass"))
     if post_sampling:
         e["prob"] = None
         e["top_probs"] = []
@@ -135,8 +137,11 @@ def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = Fa
         if isinstance(probs, list) and probs:
             return check_entries(probs, requested)
         content = event.get("content")
-        ids = [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(
-            i, bool)] if isinstance(event.get("tokens"), list) else []
+        ids = (
+            [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(i, bool)]
+            if isinstance(event.get("tokens"), list)
+            else []
+        )
         text = content if isinstance(content, str) else ""
         if ids:
             event["completion_probabilities"] = [

@@ -21,28 +21,41 @@ def run(
 ) -> ProxyStats:
     """Serve until SIGINT/SIGTERM (or `stop` is set); return what the proxy did.
 
+    The first signal stops gracefully (`Proxy.stop`: in-flight requests get up to
+    ``config.shutdown_grace`` seconds); a second one ends the grace period at once.
     Raises `ProxyError` when it cannot start (plain backend speculates, port taken, ...).
     """
 
     async def main() -> ProxyStats:
         done = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
+        proxy = Proxy(config)
+
+        def on_signal() -> None:
+            if done.is_set():
+                proxy.hurry()
+            else:
+                done.set()
+
         installed = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, done.set)
+                loop.add_signal_handler(sig, on_signal)
                 installed.append(sig)
-        proxy = Proxy(config)
         try:
             await proxy.start()
             if on_ready is not None:
                 on_ready(proxy)
             await done.wait()
-            return proxy.stats()
         finally:
-            await proxy.stop()
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+            try:
+                await proxy.stop()
+            finally:
+                for sig in installed:
+                    loop.remove_signal_handler(sig)
+        # after stop: requests still in flight at the signal are counted once they end (the
+        # snapshot used to be taken before, and a proxy stopped mid-stream said "0 requests")
+        return proxy.stats()
 
     return asyncio.run(main())
 
