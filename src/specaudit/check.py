@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specaudit import logprobs, speculation
+from specaudit import logprobs, speculation, validate
 from specaudit.client import ENDPOINTS, Client, ClientError, StreamResult
 from specaudit.errors import SpecauditError
 from specaudit.logprobs import TokenClass, TokenRecord
@@ -416,6 +416,32 @@ def _no_decision(url: str, results: Sequence[EndpointResult]) -> CheckError:
     return CheckError(f"no decision: nothing was checked on {url}")
 
 
+def _check_inputs(
+    url: str,
+    endpoint: str,
+    prompt: str,
+    seed: int,
+    temperature: float,
+    model: str | None,
+    timeout: float,
+    api_key: str | None,
+) -> None:
+    """One-line `CheckError`s for what cannot be sent (the CLI's option types say the same)."""
+    validate.url(url, "URL", CheckError)
+    if endpoint not in ENDPOINT_GROUPS:
+        raise CheckError(f"unknown endpoint {endpoint!r}; choose from {', '.join(ENDPOINT_GROUPS)}")
+    validate.text(prompt, "--prompt", allow_empty=False, error=CheckError)
+    validate.integer(seed, "--seed", min=0, max=validate.MAX_SEED, error=CheckError)
+    validate.number(temperature, "--temperature", min=0, error=CheckError)
+    validate.number(
+        timeout, "--timeout", min=0, min_open=True, max=validate.MAX_TIMEOUT, error=CheckError
+    )
+    if model is not None:
+        validate.text(model, "--model", error=CheckError)
+    if api_key is not None:
+        validate.token(api_key, "--api-key", error=CheckError)
+
+
 def run(
     url: str,
     *,
@@ -433,14 +459,16 @@ def run(
 ) -> CheckResult:
     """Check one server. `stream`: None = both modes, True = streamed only, False = not.
 
-    Raises `CheckError` (or `ClientError`) when no decision is possible.
+    Raises `CheckError` (or `ClientError`) when no decision is possible; every argument is
+    checked first (one-line `CheckError`, nothing sent).
     """
-    if endpoint not in ENDPOINT_GROUPS:
-        raise CheckError(f"unknown endpoint {endpoint!r}; choose from {', '.join(ENDPOINT_GROUPS)}")
+    _check_inputs(url, endpoint, prompt, seed, temperature, model, timeout, api_key)
     if top_k < 1:
         raise CheckError("--top-k must be at least 1: with no candidates requested nothing shows")
     if tokens < 2:
         raise CheckError("--tokens must be at least 2: the first token is never speculative")
+    validate.integer(top_k, "--top-k", max=validate.MAX_INT32, error=CheckError)
+    validate.integer(tokens, "--tokens", max=validate.MAX_INT32, error=CheckError)
     modes = (False, True) if stream is None else (stream,)
     kinds = ENDPOINT_GROUPS[endpoint]
     s = CheckSettings(top_k, tokens, prompt, seed, temperature, kinds, modes, model)

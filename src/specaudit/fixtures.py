@@ -2,11 +2,21 @@
 
 Statistical checks of a speculating server need ground truth that does not come from the
 server under test. A fixture here is a pair of llama-architecture GGUF files (target and
-draft) whose logits depend only on the *last* token: token embeddings are one-hot, every
-attention and FFN weight is zero so the residual stream is just the embedding, and the
-``output`` matrix holds a logit table ``L[last, next]``. The exact distribution llama.cpp
-samples from is therefore a function of that table and the sampler settings alone, and this
-module computes it in float64 without llama.cpp.
+draft) of one of two kinds (:attr:`FixtureSpec.kind`):
+
+* ``"last-token"`` (the default, the field report's): logits depend only on the *last* token.
+  Token embeddings are one-hot, every attention and FFN weight is zero so the residual stream
+  is just the embedding, and the ``output`` matrix holds a logit table ``L[last, next]``.
+* ``"context"``: logits depend on the whole context and on positions. One attention head
+  whose queries and keys are the same vector for every token, turned by RoPE by pi per
+  position, so the last position attends uniformly to the positions of its own parity; values
+  put each attended token's one-hot into a second block of the residual, so the residual is
+  ``[onehot(last); histogram of the same-parity tokens]`` and the ``output`` matrix holds two
+  tables, ``L[last, next]`` and ``H[seen, next]``. A stale or missing KV-cache entry, a wrong
+  causal mask or a wrong position changes the probabilities (see :class:`ContextModel`).
+
+The exact distribution llama.cpp samples from is a function of the definition and the
+sampler settings alone, and this module computes it in float64 without llama.cpp.
 
 Facts mirrored from llama.cpp b11434 (re-check them when moving to another build):
 
@@ -19,7 +29,13 @@ Facts mirrored from llama.cpp b11434 (re-check them when moving to another build
   the first maximal candidate (``:265-289``); top_p and min_p see untempered logits because
   temperature comes later in the chain;
 * llama-server's pre-sampling ``n_probs`` are a softmax over the whole vocabulary
-  (``tools/server/server-common.cpp:1591-1640``).
+  (``tools/server/server-common.cpp:1591-1640``);
+* context kind: the llama graph (``src/models/llama.cpp``) scales scores by
+  ``1/sqrt(head_dim)`` and uses "normal" RoPE (adjacent pairs, ``src/llama-model.cpp:3068``),
+  whose angle for pair ``i`` is ``pos * base^(-2i/n_rot)`` (``ggml/src/ggml-cpu/ops.cpp:6203``);
+  with flash attention K and V are cast to f16 (``src/llama-graph.cpp:2727-2733``) and V is
+  accumulated in f16 (``ggml_compute_forward_flash_attn_ext_f16_one_chunk``); without it the
+  softmaxed weights meet an f16 V cache in an f16 dot product.
 """
 
 from __future__ import annotations
@@ -46,23 +62,32 @@ __all__ = [
     "REPORT_SAMPLER",
     "SPECIAL_TOKENS",
     "TARGET_FILE",
+    "CONTEXT_CONFIG",
+    "KINDS",
     "AmbiguousSamplingError",
+    "ContextModel",
     "FixtureError",
+    "FixtureKind",
     "FixtureSet",
     "FixtureSpec",
     "ModelConfig",
     "SamplerSettings",
     "build",
     "conditional_distribution",
+    "context_logits",
+    "context_spec",
     "default_spec",
     "derive_draft",
     "gguf_bytes",
     "load",
+    "make_context_spec",
     "make_spec",
     "next_token_distribution",
     "other_spec",
     "raw_distribution",
+    "reference_logits",
     "sequence_distribution",
+    "spec_for_kind",
     "spec_from_definition",
 ]
 
@@ -92,6 +117,8 @@ _MIN_P_TOL = 1e-5
 _TOP_P_TOL = 1e-6
 
 Which = Literal["target", "draft"]
+FixtureKind = Literal["last-token", "context"]
+KINDS: tuple[FixtureKind, ...] = ("last-token", "context")
 
 
 class FixtureError(SpecauditError):
@@ -193,6 +220,72 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class ContextModel:
+    """The attention of a ``"context"`` fixture: what makes its logits see the whole context.
+
+    With the fixture's :class:`ModelConfig` (``n_embd`` 64 = 4^3, one head of 64, embedding
+    value 1024, ``rope_freq_base`` = float32(pi^-32)):
+
+    * ``attn_norm``: RMSNorm of a one-hot ``1024 * e_t`` is ``1024 / sqrt(1024^2/64 + eps)``
+      times ``attn_norm_weight`` (0.125): exactly 1.0 in float32, as for the last-token kind;
+    * queries and keys: ``attn_q`` and ``attn_k`` map every token to ``qk_weight * e_2``,
+      RoPE pair 1 (llama's "normal" mode rotates adjacent dims). Its angle is
+      ``pos * base^(-2/64) = pos * pi``, so rotated queries and keys are ``+-qk_weight`` (cos
+      is +-1, sin 0: exact in f16 too) and the score of key ``j`` from query ``p`` is
+      ``qk_weight^2 / sqrt(64) * (-1)^(p - j)`` = +-32: the last position attends uniformly
+      to the positions of its parity (itself included) and, with weight e^-64 relative, to
+      the others. Which tokens count depends on the causal mask, on every KV-cache entry and
+      on positions;
+    * values: ``attn_v`` maps token ``t`` to ``e_(V+t)`` (V = vocabulary size), ``attn_output``
+      is ``value_scale`` times the identity on that block; the FFN is zero;
+    * ``output_norm`` (weight 0.125) and ``output``: with ``r = value_scale / 1024`` and ``m``
+      the attention-weighted histogram of the context (``m_t`` = share of token ``t`` among
+      the positions of the last position's parity),
+      ``logit[next] = (L[last, next] + r * sum_t m_t H[t, next]) / sqrt(1 + r^2 |m|^2)``
+      up to the RMSNorm epsilon and the e^-64 weights, which the reference forward pass
+      (:func:`reference_logits`) keeps.
+
+    With flash attention (llama-server's default on CPU), which casts K and V to f16 and
+    accumulates V in f16, every value on the way is exact in f16: keys and queries are
+    +-16 or 0, the unnormalised weights ``exp(s - max)`` are 1 or far below f16's range, the
+    accumulated sums are counts. llama.cpp's probabilities then agree with the float64
+    reference to ~1e-7 with any KV-cache type. Without flash attention an f16 V cache meets
+    the normalised weights ``1/n`` (not exact in f16): probabilities move by up to ~1e-4, so
+    context-fixture servers get an f32 KV cache (``specaudit.llama.presets``, kind
+    ``"fixture-context"``), which is exact both ways (measured on b11434, 2 x 2 settings).
+    """
+
+    attn_norm_weight: float = 0.125
+    qk_weight: float = 16.0
+    value_scale: float = 1024.0
+
+    def __post_init__(self) -> None:
+        for name in ("attn_norm_weight", "qk_weight", "value_scale"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise ValueError(f"context model {name} must be finite")
+            object.__setattr__(self, name, _f32(v))
+        if self.attn_norm_weight == 0:
+            raise ValueError("context model attn_norm_weight must be non-zero")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attention": "q = k = qk_weight * e_2 for every token (RoPE pair 1)",
+            "attn_norm_weight": self.attn_norm_weight,
+            "qk_weight": self.qk_weight,
+            "value_scale": self.value_scale,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ContextModel:
+        return cls(
+            attn_norm_weight=float(data["attn_norm_weight"]),
+            qk_weight=float(data["qk_weight"]),
+            value_scale=float(data["value_scale"]),
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Fixture definition
 # --------------------------------------------------------------------------------------
@@ -217,6 +310,11 @@ class FixtureSpec:
     Values are canonicalised to float32 (what the GGUF stores and llama.cpp computes
     with). ``draft_seed`` and ``draft_noise_scale`` record how the draft was derived from
     the target (see :func:`derive_draft`); the tables themselves are authoritative.
+
+    ``kind`` ``"context"`` adds ``target_context[i][j]`` / ``draft_context[i][j]``: what
+    letter ``i`` seen anywhere in the context adds to the logit of ``j``, weighted by its
+    attention weight (see :class:`ContextModel`, kept in ``context_model``). The last-token
+    kind has neither (empty tables, ``context_model`` None).
     """
 
     name: str
@@ -228,6 +326,10 @@ class FixtureSpec:
     prompt: str = "bcdbc"
     special_logit: float = -1e4
     config: ModelConfig = field(default_factory=ModelConfig)
+    kind: FixtureKind = "last-token"
+    target_context: tuple[tuple[float, ...], ...] = ()
+    draft_context: tuple[tuple[float, ...], ...] = ()
+    context_model: ContextModel | None = None
 
     def __post_init__(self) -> None:
         letters = tuple(self.letters)
@@ -247,7 +349,23 @@ class FixtureSpec:
             raise ValueError("name must be a non-empty printable string")
         if not self.prompt or any(ch not in letters for ch in self.prompt):
             raise ValueError("prompt must be a non-empty string of fixture letters")
-        lowest = min(min(min(r) for r in self.target), min(min(r) for r in self.draft))
+        if self.kind == "last-token":
+            if self.target_context or self.draft_context or self.context_model is not None:
+                raise ValueError("a last-token fixture has no context tables or context model")
+        elif self.kind == "context":
+            for label in ("target_context", "draft_context"):
+                table = _canonical_table(getattr(self, label), n, label)
+                object.__setattr__(self, label, table)
+            if self.context_model is None:
+                object.__setattr__(self, "context_model", ContextModel())
+            if self.config.n_embd < 2 * self.n_vocab:
+                raise ValueError(
+                    "config.n_embd must be >= 2 x vocabulary size (one-hot and context blocks)"
+                )
+        else:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        tables = [self.target, self.draft, self.target_context, self.draft_context]
+        lowest = min(v for t in tables for r in t for v in r)
         if not self.special_logit <= lowest - 1000.0:
             raise ValueError("special_logit must sit at least 1000 below every table logit")
         if self.config.n_embd < self.n_vocab:
@@ -290,11 +408,28 @@ class FixtureSpec:
 
     @property
     def draft_derivation(self) -> str:
-        """Human-readable recipe for the draft table."""
-        return (
+        """Human-readable recipe for the draft table(s)."""
+        recipe = (
             f"draft = float32(round(target + {self.draft_noise_scale} * "
             f"numpy.random.RandomState({self.draft_seed}).standard_normal((n, n)), 3))"
         )
+        if self.kind == "context":
+            recipe += (
+                f"; draft_context = the same with target_context and "
+                f"RandomState({self.draft_seed + 1})"
+            )
+        return recipe
+
+    def state_key(self, text: str) -> str:
+        """What of a context (letters, no BOS) the next-token distribution depends on.
+
+        The last letter for the last-token kind; the whole text (order and positions) for
+        the context kind. Contexts with equal keys have equal distributions.
+        """
+        if not text:
+            raise ValueError("prefix must hold at least one letter (fixtures add no BOS)")
+        self.tokenize(text)  # validates letters
+        return text[-1] if self.kind == "last-token" else text
 
     # -- logits --------------------------------------------------------------------------
     def table(self, which: Which = "target") -> tuple[tuple[float, ...], ...]:
@@ -304,18 +439,41 @@ class FixtureSpec:
             return self.draft
         raise ValueError(f"which must be 'target' or 'draft', not {which!r}")
 
+    def context_table(self, which: Which = "target") -> tuple[tuple[float, ...], ...]:
+        """The context kind's ``H[seen, next]`` table (empty for the last-token kind)."""
+        if which == "target":
+            return self.target_context
+        if which == "draft":
+            return self.draft_context
+        raise ValueError(f"which must be 'target' or 'draft', not {which!r}")
+
     def output_matrix(self, which: Which = "target") -> np.ndarray:
-        """The GGUF ``output.weight`` as numpy (n_vocab, n_embd): column = last token."""
+        """The GGUF ``output.weight`` as numpy (n_vocab, n_embd): column = last token.
+
+        For the context kind, columns ``V + i`` (V = n_vocab) hold the context table: the
+        logit contribution of letter ``i`` seen in the context.
+        """
         n, v = len(self.letters), self.n_vocab
         out = np.zeros((v, self.config.n_embd), dtype=np.float32)
         out[:n, :n] = np.asarray(self.table(which), dtype=np.float32).T
         out[n:, :v] = np.float32(self.special_logit)
         # After a special token (never produced by a letter prompt): uniform over letters.
         out[:n, n:v] = np.float32(0.0)
+        if self.kind == "context":
+            out[:n, v : v + n] = np.asarray(self.context_table(which), dtype=np.float32).T
         return out
 
     def logits(self, last_token: str, which: Which = "target") -> np.ndarray:
-        """float32 logits (as float64) llama.cpp computes after ``last_token``, in id order."""
+        """float32 logits (as float64) llama.cpp computes after ``last_token``, in id order.
+
+        Last-token kind only (a context fixture's logits need the whole context: use
+        :func:`context_logits`).
+        """
+        if self.kind != "last-token":
+            raise ValueError(
+                f"fixture {self.name!r} is of kind {self.kind!r}: its logits depend on the "
+                "whole context (use fixtures.context_logits)"
+            )
         ids = self.token_ids
         if last_token not in ids:
             raise ValueError(f"unknown token {last_token!r}")
@@ -428,6 +586,144 @@ def other_spec() -> FixtureSpec:
     return make_spec(2, name="specaudit-abcdefgh-b")
 
 
+#: The context kind's model shape: 64 = 4^3 dims (>= 2 x 11 tokens: one-hot and context
+#: blocks), one head of 64, norm weights 1/sqrt(64) so normalised one-hots are exactly 1, and
+#: a RoPE base that turns pair 1 by pi per position (base^(-2/64) = pi; see ContextModel).
+CONTEXT_CONFIG = ModelConfig(
+    n_embd=64,
+    n_head=1,
+    n_ff=16,
+    rope_freq_base=_f32(math.pi**-32),
+    output_norm_weight=0.125,
+)
+_CONTEXT_SEED = 7
+_CONTEXT_MODEL = ContextModel(attn_norm_weight=0.125, qk_weight=16.0, value_scale=1024.0)
+
+
+def _random_table(
+    rng: np.random.RandomState, n: int, scale: float
+) -> tuple[tuple[float, ...], ...]:
+    rows: list[tuple[float, ...]] = []
+    while len(rows) < n:
+        row = tuple(_f32(float(v)) for v in np.round(scale * rng.standard_normal(n), 3))
+        if len(set(row)) == n:
+            rows.append(row)
+    return tuple(rows)
+
+
+def make_context_spec(
+    seed: int,
+    *,
+    name: str | None = None,
+    letters: Sequence[str] = tuple("abcdefgh"),
+    prompt: str = "bcdbc",
+    logit_scale: float = 0.75,
+    context_scale: float = 2.0,
+    noise_scale: float = 0.5,
+    model: ContextModel = _CONTEXT_MODEL,
+) -> FixtureSpec:
+    """A context-kind fixture with pseudo-random tables derived from ``seed``.
+
+    ``RandomState([seed, 7])`` draws the last-letter table (normal with ``logit_scale``, 3
+    decimals, rows with distinct values), then the context table (``context_scale``); the
+    drafts are ``derive_draft(target, seed)`` and ``derive_draft(target_context, seed + 1)``.
+    """
+    n = len(letters)
+    rng = np.random.RandomState([seed, 7])
+    target = _random_table(rng, n, logit_scale)
+    context = _random_table(rng, n, context_scale)
+    return FixtureSpec(
+        name=name or f"specaudit-context-seed{seed}",
+        letters=tuple(letters),
+        target=target,
+        draft=derive_draft(target, seed, noise_scale),
+        draft_seed=seed,
+        draft_noise_scale=noise_scale,
+        prompt=prompt,
+        config=CONTEXT_CONFIG,
+        kind="context",
+        target_context=context,
+        draft_context=derive_draft(context, seed + 1, noise_scale),
+        context_model=model,
+    )
+
+
+# Literal copies of make_context_spec(7)'s tables, so the bytes never depend on NumPy's
+# generator (a unit test checks they agree). Seed 7 came from a search over seeds 1..59 (and
+# table scales) for: after the same last letter some histories differ by TV >= 0.6 (top-k 3),
+# reordering a history moves it by TV >= 0.3, and in the 4-token workload after bcdbc every
+# sampled letter's conditional probability is >= 0.09 and every position's marginal >= 0.06.
+_CONTEXT_TARGET: tuple[tuple[float, ...], ...] = (
+    (-0.167, -0.32, -0.329, -0.13, 0.138, 0.438, 0.917, -0.367),
+    (-0.658, -0.256, 1.045, -0.023, 0.561, 0.136, -1.237, -0.334),
+    (-0.865, -1.058, 0.63, 1.279, -0.541, 0.904, -0.22, -0.261),
+    (1.442, 0.128, 0.136, -0.061, -0.129, 0.639, 1.385, -0.836),
+    (-0.384, -0.275, 0.321, 1.536, -0.282, -0.162, 1.055, 0.804),
+    (-0.416, 0.464, 1.233, -1.104, -0.35, 0.143, -0.755, -1.31),
+    (-0.017, 0.922, 0.4, -1.796, -0.012, 1.45, 0.416, -0.769),
+    (1.011, 0.379, 0.313, 1.218, 0.202, -0.694, 0.366, 2.082),
+)
+_CONTEXT_TARGET_CONTEXT: tuple[tuple[float, ...], ...] = (
+    (-1.405, 2.444, 4.326, 0.272, 1.97, 1.283, 1.99, -3.406),
+    (-0.557, 3.036, -0.713, 1.288, -1.515, -0.403, -2.321, -0.524),
+    (-3.229, 0.81, 0.204, 1.308, -1.71, 1.619, 2.258, 0.686),
+    (-1.046, -0.642, 1.635, -1.119, -0.453, -1.451, 1.1, 1.296),
+    (-1.045, -0.346, -2.96, 3.302, -1.21, 0.383, -1.29, 1.636),
+    (-0.715, 1.247, -1.179, -1.097, -1.014, 3.671, -0.217, 0.408),
+    (2.802, 3.43, -2.478, -2.272, 0.491, -3.785, 0.796, -2.228),
+    (1.785, -4.167, -0.614, 0.667, -0.404, -1.345, 0.524, -0.52),
+)
+_CONTEXT_DRAFT: tuple[tuple[float, ...], ...] = (
+    (0.678, -0.553, -0.313, 0.074, -0.256, 0.439, 0.917, -1.244),
+    (-0.149, 0.044, 0.732, -0.109, 0.814, 0.005, -1.358, -1.061),
+    (-0.588, -0.996, 0.767, 0.516, 0.284, 0.981, -0.414, 0.754),
+    (1.419, -0.597, -0.067, -1.205, 0.396, 0.431, 1.014, -0.3),
+    (-1.21, -0.007, -0.711, 1.205, -0.884, 0.569, 1.938, 0.639),
+    (0.004, 0.374, 1.517, -1.48, -1.204, -0.759, -0.563, -0.186),
+    (0.118, 0.66, 1.356, -1.677, 0.039, 1.576, 0.35, -0.924),
+    (0.294, 0.63, 0.266, 1.815, 0.018, -1.647, 0.316, 2.932),
+)
+_CONTEXT_DRAFT_CONTEXT: tuple[tuple[float, ...], ...] = (
+    (-1.359, 2.99, 3.353, -0.421, 0.822, 2.488, 2.854, -2.304),
+    (-0.16, 3.524, -1.305, 2.246, -2.077, -0.735, -2.51, -0.92),
+    (-2.799, 0.695, 0.171, 1.204, -1.037, 1.316, 2.171, 0.898),
+    (-1.869, -0.884, 1.903, -0.536, -0.372, -1.787, 1.821, 1.185),
+    (-1.029, -0.255, -2.991, 3.031, -0.973, -0.199, -1.54, 1.432),
+    (-1.182, 1.289, -1.107, -1.059, -1.092, 3.946, 0.634, 0.911),
+    (1.235, 4.0, -3.413, -3.162, 0.555, -4.461, 1.573, -1.88),
+    (1.379, -4.989, -0.449, 1.279, -0.356, -0.407, 0.791, -0.121),
+)
+
+
+def context_spec() -> FixtureSpec:
+    """The built-in context-kind fixture: eight letters a..h, prompt ``bcdbc``, like the
+    default, but its next-token distribution depends on every token of the context and on
+    their positions (see :class:`ContextModel`)."""
+    return FixtureSpec(
+        name="specaudit-context-abcdefgh",
+        letters=tuple("abcdefgh"),
+        target=_CONTEXT_TARGET,
+        draft=_CONTEXT_DRAFT,
+        draft_seed=_CONTEXT_SEED,
+        draft_noise_scale=0.5,
+        config=CONTEXT_CONFIG,
+        kind="context",
+        target_context=_CONTEXT_TARGET_CONTEXT,
+        draft_context=_CONTEXT_DRAFT_CONTEXT,
+        context_model=_CONTEXT_MODEL,
+    )
+
+
+def spec_for_kind(kind: str) -> FixtureSpec:
+    """The built-in fixture of a kind: ``"last-token"`` (:func:`default_spec`) or
+    ``"context"`` (:func:`context_spec`)."""
+    if kind == "last-token":
+        return default_spec()
+    if kind == "context":
+        return context_spec()
+    raise ValueError(f"unknown fixture kind {kind!r} (one of {', '.join(KINDS)})")
+
+
 # --------------------------------------------------------------------------------------
 # GGUF writing
 # --------------------------------------------------------------------------------------
@@ -435,6 +731,8 @@ def other_spec() -> FixtureSpec:
 
 def _tensors(spec: FixtureSpec, which: Which) -> list[tuple[str, np.ndarray]]:
     """Tensors in file order (numpy shapes are ggml's ``ne`` reversed)."""
+    if spec.kind == "context":
+        return _context_tensors(spec, which)
     cfg, v, d = spec.config, spec.n_vocab, spec.config.n_embd
     embd = np.zeros((v, d), dtype=np.float32)
     embd[np.arange(v), np.arange(v)] = np.float32(cfg.embedding_value)
@@ -456,6 +754,35 @@ def _tensors(spec: FixtureSpec, which: Which) -> list[tuple[str, np.ndarray]]:
     ]
 
 
+def _context_tensors(spec: FixtureSpec, which: Which) -> list[tuple[str, np.ndarray]]:
+    """The context kind's tensors (see :class:`ContextModel`), in the same file order."""
+    cfg, v, d = spec.config, spec.n_vocab, spec.config.n_embd
+    cm = spec.context_model
+    assert cm is not None
+    embd = np.zeros((v, d), dtype=np.float32)
+    embd[np.arange(v), np.arange(v)] = np.float32(cfg.embedding_value)
+    wq = np.zeros((d, d), dtype=np.float32)
+    wq[2, :v] = np.float32(cm.qk_weight)  # every token's query and key: qk_weight * e_2
+    wv = np.zeros((d, d), dtype=np.float32)
+    wv[v + np.arange(v), np.arange(v)] = np.float32(1.0)  # token t -> e_(V+t)
+    wo = np.zeros((d, d), dtype=np.float32)
+    wo[v + np.arange(v), v + np.arange(v)] = np.float32(cm.value_scale)
+    return [
+        ("token_embd.weight", embd),
+        ("output_norm.weight", np.full(d, cfg.output_norm_weight, dtype=np.float32)),
+        ("output.weight", spec.output_matrix(which)),
+        ("blk.0.attn_norm.weight", np.full(d, cm.attn_norm_weight, dtype=np.float32)),
+        ("blk.0.attn_q.weight", wq),
+        ("blk.0.attn_k.weight", wq.copy()),
+        ("blk.0.attn_v.weight", wv),
+        ("blk.0.attn_output.weight", wo),
+        ("blk.0.ffn_norm.weight", np.ones(d, dtype=np.float32)),
+        ("blk.0.ffn_gate.weight", np.zeros((cfg.n_ff, d), dtype=np.float32)),
+        ("blk.0.ffn_up.weight", np.zeros((cfg.n_ff, d), dtype=np.float32)),
+        ("blk.0.ffn_down.weight", np.zeros((d, cfg.n_ff), dtype=np.float32)),
+    ]
+
+
 def _write_gguf(path: Path, spec: FixtureSpec, which: Which) -> None:
     import gguf  # local import: only building needs it
 
@@ -463,9 +790,13 @@ def _write_gguf(path: Path, spec: FixtureSpec, which: Which) -> None:
     n = len(spec.letters)
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(f"{spec.name}-{which}")
+    depends = (
+        "logits depend only on the last token"
+        if spec.kind == "last-token"
+        else "logits depend on the whole context (constant-query attention, RoPE)"
+    )
     w.add_description(
-        f"specaudit fixture ({which}): logits depend only on the last token; "
-        "see the manifest for the closed-form definition"
+        f"specaudit fixture ({which}): {depends}; see the manifest for the closed-form definition"
     )
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     w.add_vocab_size(spec.n_vocab)
@@ -540,8 +871,12 @@ class FixtureSet:
 
 
 def _definition(spec: FixtureSpec) -> dict[str, Any]:
+    """The manifest's definition block. The last-token kind's has no ``kind`` key (its bytes,
+    pinned by tests, predate the context kind); the context kind adds its tables and model."""
     kinds = ["normal"] * len(spec.letters) + ["control", "control", "unknown"]
-    return {
+    head: dict[str, Any] = {} if spec.kind == "last-token" else {"kind": spec.kind}
+    out = {
+        **head,
         "letters": list(spec.letters),
         "tokens": [
             {"id": i, "text": t, "type": k}
@@ -564,6 +899,16 @@ def _definition(spec: FixtureSpec) -> dict[str, Any]:
         "model": spec.config.to_json(),
         "chat_template": CHAT_TEMPLATE,
     }
+    if spec.kind == "context":
+        assert spec.context_model is not None
+        out["logits_semantics"] = (
+            "row = last letter, column = next letter; float32 values; context tables: row = "
+            "letter seen in the context, column = next letter, weighted by attention"
+        )
+        out["target_context_logits"] = [list(r) for r in spec.target_context]
+        out["draft_context_logits"] = [list(r) for r in spec.draft_context]
+        out["context_model"] = spec.context_model.to_json()
+    return out
 
 
 def _manifest(spec: FixtureSpec, files: Mapping[str, bytes]) -> dict[str, Any]:
@@ -583,20 +928,35 @@ def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode()
 
 
-def build(out_dir: str | os.PathLike[str], spec: FixtureSpec | None = None) -> FixtureSet:
+def build(
+    out_dir: str | os.PathLike[str],
+    spec: FixtureSpec | None = None,
+    *,
+    kind: FixtureKind | None = None,
+) -> FixtureSet:
     """Write ``target.gguf``, ``draft.gguf`` and ``manifest.json`` into ``out_dir``.
 
-    Output is byte-identical across runs and machines: no timestamps, fixed key and
-    tensor order, little-endian F32. Files are replaced atomically.
+    ``spec`` defaults to the built-in fixture of ``kind`` (:func:`spec_for_kind`; without
+    ``kind``, the last-token :func:`default_spec`); a ``kind`` that contradicts ``spec`` is
+    a ``ValueError``. Output is byte-identical across runs and machines: no timestamps,
+    fixed key and tensor order, little-endian F32. Files are replaced atomically.
     """
-    spec = spec or default_spec()
+    if spec is None:
+        spec = spec_for_kind(kind or "last-token")
+    elif kind is not None and spec.kind != kind:
+        raise ValueError(f"fixture {spec.name!r} is of kind {spec.kind!r}, not {kind!r}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     files = {TARGET_FILE: gguf_bytes(spec, "target"), DRAFT_FILE: gguf_bytes(spec, "draft")}
-    for fname, data in files.items():
-        _atomic_write(out / fname, data)
     manifest = _manifest(spec, files)
-    _atomic_write(out / MANIFEST_FILE, _manifest_bytes(manifest))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for fname, data in files.items():
+            _atomic_write(out / fname, data)
+        _atomic_write(out / MANIFEST_FILE, _manifest_bytes(manifest))
+    except (OSError, ValueError) as exc:  # a path that cannot be a directory, a full disk ...
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        raise FixtureError(f"cannot write the fixture into {str(out)!r}: {why}{where}") from None
     return FixtureSet(
         dir=out,
         target=out / TARGET_FILE,
@@ -610,6 +970,17 @@ def build(out_dir: str | os.PathLike[str], spec: FixtureSpec | None = None) -> F
 def spec_from_definition(name: str, definition: Mapping[str, Any]) -> FixtureSpec:
     """Rebuild a :class:`FixtureSpec` from a manifest's ``definition`` block."""
     deriv = definition["draft_derivation"]
+    kind = definition.get("kind", "last-token")
+    if kind not in KINDS:
+        raise ValueError(f"unknown fixture kind {kind!r}")
+    extra: dict[str, Any] = {}
+    if kind == "context":
+        extra = dict(
+            kind=kind,
+            target_context=definition["target_context_logits"],
+            draft_context=definition["draft_context_logits"],
+            context_model=ContextModel.from_json(definition["context_model"]),
+        )
     spec = FixtureSpec(
         name=name,
         letters=tuple(definition["letters"]),
@@ -620,6 +991,7 @@ def spec_from_definition(name: str, definition: Mapping[str, Any]) -> FixtureSpe
         prompt=definition["prompt"],
         special_logit=float(definition["special_logit"]),
         config=ModelConfig.from_json(definition["model"]),
+        **extra,
     )
     if _definition(spec) != dict(definition):
         raise ValueError("definition is not in canonical form")
@@ -811,11 +1183,102 @@ def _sampling_probs(z: np.ndarray, s: SamplerSettings) -> np.ndarray:
     return low
 
 
-def _last_token(spec: FixtureSpec, prefix: str) -> str:
-    if not prefix:
-        raise ValueError("prefix must hold at least one letter (fixtures add no BOS)")
-    spec.tokenize(prefix)  # validates letters
-    return prefix[-1]
+@dataclass(frozen=True)
+class _Net:
+    """A fixture model's tensors as float64, with the per-token attention inputs precomputed
+    (before attention the residual is the token's embedding, so they depend on it alone)."""
+
+    t: dict[str, np.ndarray]
+    q: np.ndarray  # (context_length, n_vocab, n_embd): attn_q(attn_norm(embedding)), RoPE'd
+    k: np.ndarray  # the same for attn_k
+    v: np.ndarray  # (n_vocab, n_embd)
+    eps: float
+    n_head: int
+
+
+_NETS: dict[tuple[FixtureSpec, str], _Net] = {}
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """llama's RMSNorm along the last axis: x / sqrt(mean(x^2) + eps) * w."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _net(spec: FixtureSpec, which: Which) -> _Net:
+    key = (spec, which)
+    net = _NETS.get(key)
+    if net is None:
+        t = {name: a.astype(np.float64) for name, a in _tensors(spec, which)}
+        eps = _f32(spec.config.rms_eps)  # the GGUF stores it as float32
+        u = _rms_norm(t["token_embd.weight"], t["blk.0.attn_norm.weight"], eps)
+        n_rot, h = spec.config.head_dim, spec.config.n_head
+        theta = _f32(spec.config.rope_freq_base) ** (-2.0 * np.arange(n_rot // 2) / n_rot)
+        pos = np.arange(spec.config.context_length, dtype=np.float64)
+        net = _Net(
+            t,
+            _rope(u @ t["blk.0.attn_q.weight"].T, pos, h, theta),
+            _rope(u @ t["blk.0.attn_k.weight"].T, pos, h, theta),
+            u @ t["blk.0.attn_v.weight"].T,
+            eps,
+            h,
+        )
+        if len(_NETS) >= 16:
+            _NETS.clear()
+        _NETS[key] = net
+    return net
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, n_head: int, theta: np.ndarray) -> np.ndarray:
+    """llama's "normal" RoPE (adjacent pairs per head) of every row of ``x`` (n, d) at every
+    position of ``pos``: shape (len(pos), n, d)."""
+    rows = x.reshape(1, x.shape[0], n_head, -1, 2)
+    ang = pos[:, None] * theta[None, :]  # (positions, n_rot / 2)
+    c, s = np.cos(ang)[:, None, None, :], np.sin(ang)[:, None, None, :]
+    x0, x1 = rows[..., 0], rows[..., 1]
+    out = np.stack((x0 * c - x1 * s, x0 * s + x1 * c), axis=-1)
+    return out.reshape(len(pos), *x.shape)
+
+
+def reference_logits(spec: FixtureSpec, ids: Sequence[int], which: Which = "target") -> np.ndarray:
+    """The fixture's llama forward pass in float64 from its GGUF tensors: logits after ``ids``.
+
+    One layer: RMSNorm, Q/K/V, RoPE at positions 0..len-1 (no BOS), causal softmax attention
+    scaled by 1/sqrt(head_dim), ``attn_output``, residual, RMSNorm, SiLU-gated FFN, residual,
+    ``output_norm``, ``output`` -- what ``src/models/llama.cpp`` (b11434) builds, evaluated
+    exactly instead of in float32 (llama.cpp's results agree to float32 rounding).
+    """
+    if not ids:
+        raise ValueError("a context needs at least one token (fixtures add no BOS)")
+    net = _net(spec, which)
+    t = net.t
+    idx = np.asarray(ids, dtype=np.int64)
+    n, h = len(idx), net.n_head
+    if n > net.k.shape[0]:
+        raise ValueError(f"a context of {n} tokens exceeds the fixture's context length")
+    q = net.q[n - 1, idx[-1]].reshape(h, -1)
+    k = net.k[np.arange(n), idx].reshape(n, h, -1)
+    v = net.v[idx].reshape(n, h, -1)
+    scores = np.einsum("jhd,hd->jh", k, q) / math.sqrt(q.shape[1])
+    w = np.exp(scores - scores.max(axis=0))
+    w /= w.sum(axis=0)  # causal: the last position sees every position
+    o = np.einsum("jh,jhd->hd", w, v).reshape(-1)
+    x = t["token_embd.weight"][idx[-1]] + t["blk.0.attn_output.weight"] @ o
+    f = _rms_norm(x, t["blk.0.ffn_norm.weight"], net.eps)
+    g, up = t["blk.0.ffn_gate.weight"] @ f, t["blk.0.ffn_up.weight"] @ f
+    x = x + t["blk.0.ffn_down.weight"] @ (g / (1.0 + np.exp(-g)) * up)
+    return np.asarray(t["output.weight"] @ _rms_norm(x, t["output_norm.weight"], net.eps))
+
+
+def context_logits(spec: FixtureSpec, text: str, which: Which = "target") -> np.ndarray:
+    """Logits (float64, id order) after the context ``text`` (letters, no BOS), either kind.
+
+    Last-token kind: the exact float32 values (:meth:`FixtureSpec.logits`); context kind: the
+    float64 reference forward pass (:func:`reference_logits`).
+    """
+    key = spec.state_key(text)
+    if spec.kind == "last-token":
+        return spec.logits(key, which)
+    return reference_logits(spec, spec.tokenize(text), which)
 
 
 def raw_distribution(spec: FixtureSpec, prefix: str, which: Which = "target") -> dict[str, float]:
@@ -823,7 +1286,7 @@ def raw_distribution(spec: FixtureSpec, prefix: str, which: Which = "target") ->
 
     This is what llama-server reports as pre-sampling ``n_probs`` probabilities.
     """
-    z = spec.logits(_last_token(spec, prefix), which)
+    z = context_logits(spec, prefix, which)
     return dict(zip(spec.tokens, (float(p) for p in _softmax(z)), strict=True))
 
 
@@ -836,7 +1299,7 @@ def next_token_distribution(
     :class:`AmbiguousSamplingError` when llama.cpp's outcome depends on tie order or on
     float32 rounding at a top-p/min-p boundary.
     """
-    z = spec.logits(_last_token(spec, prefix), which)
+    z = context_logits(spec, prefix, which)
     probs = _sampling_probs(z, sampler)
     return dict(zip(spec.tokens, (float(p) for p in probs), strict=True))
 
@@ -867,26 +1330,28 @@ def sequence_distribution(
     """
     if n_tokens < 0:
         raise ValueError("n_tokens must be >= 0")
-    _last_token(spec, prompt)
+    spec.state_key(prompt)  # validates
     n = len(spec.letters)
     cache: dict[str, np.ndarray] = {}
 
-    def step(last: str) -> np.ndarray:
-        if last not in cache:
-            probs = _sampling_probs(spec.logits(last, which), sampler)
+    def step(text: str) -> np.ndarray:
+        key = spec.state_key(text)  # the last letter, or the whole context
+        if key not in cache:
+            probs = _sampling_probs(context_logits(spec, text, which), sampler)
             if np.any(probs[n:] > 0.0):
+                shown = key if len(key) <= 24 else "..." + key[-21:]
                 raise ValueError(
-                    f"a special token has non-zero probability after {last!r}; "
+                    f"a special token has non-zero probability after {shown!r}; "
                     "the letter sequence distribution is undefined"
                 )
-            cache[last] = probs[:n]
-        return cache[last]
+            cache[key] = probs[:n]
+        return cache[key]
 
     dist: dict[str, float] = {"": 1.0}
     for _ in range(n_tokens):
         nxt: dict[str, float] = {}
         for seq, p in dist.items():
-            probs = step(seq[-1] if seq else prompt[-1])
+            probs = step(prompt + seq)
             for j, q in enumerate(probs):
                 if q > 0.0:
                     nxt[seq + spec.letters[j]] = p * float(q)

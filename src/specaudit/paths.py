@@ -1,7 +1,9 @@
-"""Where specaudit keeps its per-user cache (llama.cpp builds, models, fixtures).
+"""Where specaudit keeps its per-user cache (llama.cpp builds, models, fixtures, crash logs).
 
 One place decides it so every module, test and CLI command agrees; `SPECAUDIT_CACHE`
-overrides it (tests and CI can point it anywhere), otherwise XDG's cache dir is used.
+overrides it (tests and CI can point it anywhere), otherwise XDG's cache dir is used. A root
+that cannot be a directory (``/proc/foo``, an existing file) is a one-line `CacheError`
+(exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -11,10 +13,29 @@ from pathlib import Path
 
 from platformdirs import user_cache_dir
 
+from specaudit.errors import SpecauditError
+
+ENV_CACHE = "SPECAUDIT_CACHE"
+
+
+class CacheError(SpecauditError):
+    """The cache root cannot be created or is not a directory."""
+
 
 def cache_root() -> Path:
-    """The root of specaudit's cache, created on demand."""
-    env = os.environ.get("SPECAUDIT_CACHE")
-    root = Path(env).expanduser() if env else Path(user_cache_dir("specaudit"))
-    root.mkdir(parents=True, exist_ok=True)
+    """The root of specaudit's cache, created on demand; `CacheError` if it cannot be."""
+    env = os.environ.get(ENV_CACHE)
+    where = f"{ENV_CACHE}={env}" if env else "the cache directory"
+    try:
+        root = Path(env).expanduser() if env else Path(user_cache_dir("specaudit"))
+        root.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        hint = f"; point {ENV_CACHE} at a writable directory"
+        raise CacheError(f"{where}: cannot create the cache directory: {reason}{hint}") from None
+    if not root.is_dir():
+        raise CacheError(f"{where}: {root} is not a directory; point {ENV_CACHE} elsewhere")
     return root
+
+
+__all__ = ["ENV_CACHE", "CacheError", "cache_root"]

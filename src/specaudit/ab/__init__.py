@@ -32,6 +32,7 @@ from specaudit.ab.analysis import (
     DEFAULT_TOP_LOGPROBS,
     FAULT_MAX_COVERAGE,
     FAULT_MAX_RATIO,
+    MAX_SEEDS,
     SCHEMA_VERSION,
     SIDES,
     ABError,
@@ -60,7 +61,14 @@ from specaudit.ab.render import (
     report_shape_rows,
     side_line,
 )
-from specaudit.ab.sampling import DEFAULT_SPEC_TYPE, ProgressFn, run, run_local, uses_draft
+from specaudit.ab.sampling import (
+    DEFAULT_SPEC_TYPE,
+    PROBE_TIMEOUT,
+    ProgressFn,
+    run,
+    run_local,
+    uses_draft,
+)
 
 __all__ = [
     "AB_ENDPOINTS",
@@ -75,6 +83,8 @@ __all__ = [
     "DETAIL_HEADERS",
     "FAULT_MAX_COVERAGE",
     "FAULT_MAX_RATIO",
+    "MAX_SEEDS",
+    "PROBE_TIMEOUT",
     "SCHEMA_VERSION",
     "SIDES",
     "ABError",

@@ -33,6 +33,7 @@ from typing import Any
 from scipy import stats
 
 from specaudit import logprobs as lp
+from specaudit import validate
 from specaudit.errors import SpecauditError
 from specaudit.outcome import Outcome
 
@@ -43,6 +44,10 @@ DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 DEFAULT_SEEDS = 5
 DEFAULT_TOKENS = 64
 DEFAULT_TOP_LOGPROBS = 3
+# Every response (with its per-token trace, for the plot) is kept and all seeds are in flight
+# at once: memory grows with seeds, so they are capped. 10,000 seeds give a t-interval far
+# narrower than any effect ab looks for.
+MAX_SEEDS = 10_000
 AB_ENDPOINTS = ("chat", "completion")
 SIDES = ("plain", "spec")
 
@@ -92,10 +97,20 @@ class Settings:
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ABError(f"--seeds must be at least 1 (got {self.seeds})")
+        validate.integer(self.seeds, "--seeds", max=MAX_SEEDS, error=ABError)
         if self.tokens < 1:
             raise ABError(f"--tokens must be at least 1 (got {self.tokens})")
+        validate.integer(self.tokens, "--tokens", max=validate.MAX_INT32, error=ABError)
         if not self.prompt:
             raise ABError("--prompt must not be empty")
+        validate.text(self.prompt, "--prompt", error=ABError)
+        validate.integer(self.top_logprobs, "--top-k", max=validate.MAX_INT32, error=ABError)
+        if self.sampler_top_k is not None:
+            validate.integer(
+                self.sampler_top_k, "--sampler-top-k", max=validate.MAX_INT32, error=ABError
+            )
+        if self.first_seed + self.seeds - 1 > validate.MAX_SEED:
+            raise ABError(f"seeds must stay <= {validate.MAX_SEED} (llama.cpp's seed is a uint32)")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ABError(f"--temperature must be a finite number >= 0 (got {self.temperature})")
         if self.sampler_top_k is not None and self.sampler_top_k < 0:
@@ -112,7 +127,7 @@ class Settings:
 
     @property
     def seed_values(self) -> list[int]:
-        return list(range(self.first_seed, self.first_seed + self.seeds))
+        return list(range(self.first_seed, self.first_seed + self.seeds))  # <= MAX_SEEDS
 
     def request(self, seed: int) -> JSON:
         """The request body for one seed on the chosen endpoint."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specaudit import speculation
+from specaudit import speculation, validate
 from specaudit.ab.analysis import (
     SIDES,
     ABError,
@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from specaudit.llama.build import LlamaBinaries
 
 DEFAULT_SPEC_TYPE = presets.DEFAULT_SPEC_TYPE
+
+# The /slots and /props probe answers at once on any server: a server that accepts the
+# connection and says nothing for this long (or --timeout, if shorter) is not going to.
+PROBE_TIMEOUT = 30.0
 
 ProgressFn = Callable[[int, int], None]
 """Called with (responses done, responses total) as samples come back."""
@@ -59,9 +63,12 @@ async def _collect(
     timeout: float,
 ) -> tuple[list[Response], dict[str, tuple[int, bool | None]]]:
     distinct = sorted(set(urls.values()))
+    per_url: dict[str, tuple[int, bool | None]] = {}
+    for u in distinct:
+        async with AsyncClient(u, timeout=min(timeout, PROBE_TIMEOUT)) as probe:
+            per_url[u] = await _server_info(probe)
     clients = {u: AsyncClient(u, timeout=timeout) for u in distinct}
     try:
-        per_url = {u: await _server_info(clients[u]) for u in distinct}
         # One semaphore per server: when both sides are the same URL they share its slots.
         sems = {u: asyncio.Semaphore(per_url[u][0]) for u in distinct}
         path = ENDPOINTS[settings.endpoint]
@@ -97,6 +104,12 @@ async def _collect(
     return responses, {side: per_url[urls[side]] for side in SIDES}
 
 
+def check_timeout(timeout: float) -> float:
+    return validate.number(
+        timeout, "--timeout", min=0, min_open=True, max=validate.MAX_TIMEOUT, error=ABError
+    )
+
+
 def run(
     plain_url: str,
     spec_url: str,
@@ -110,13 +123,19 @@ def run(
     """Sample `settings.seeds` seeds from both servers concurrently and compare them.
 
     Seeds go out concurrently, up to each server's parallel slots (from /slots). A plot is
-    written to `plot` if given.
+    written to `plot` if given; its directory is checked writable before any request. Every
+    request gives up after `timeout` seconds, the /slots probe after at most
+    `PROBE_TIMEOUT`: a server that accepts connections and never answers is a one-line
+    `ClientError`, not a hang.
     """
     settings = settings or Settings()
-    urls = {"plain": plain_url.rstrip("/"), "spec": spec_url.rstrip("/")}
-    for side, u in urls.items():
-        if not u.startswith(("http://", "https://")):
-            raise ABError(f"--{side} must be an http(s) URL (got {u!r})")
+    urls = {
+        "plain": validate.url(plain_url, "--plain", ABError),
+        "spec": validate.url(spec_url, "--spec", ABError),
+    }
+    check_timeout(timeout)
+    if plot is not None:
+        validate.writable_file(plot, "--plot", ABError)
     t0 = time.monotonic()
     responses, info = asyncio.run(_collect(settings, urls, progress, timeout))
     result = analyse(settings, responses, urls, info, time.monotonic() - t0, local)
@@ -137,6 +156,7 @@ def run_local(
     plot: str | Path | None = None,
     progress: ProgressFn | None = None,
     status: Callable[[str], None] | None = None,
+    timeout: float = 600.0,
 ) -> ABResult:
     """Start a plain and a speculating llama-server from one model, then `run` on them.
 
@@ -150,6 +170,12 @@ def run_local(
     say = status or (lambda msg: None)
     if not spec_type or spec_type == "none":
         raise ABError("--spec-type must name a speculative decoding type (e.g. draft-simple)")
+    validate.text(spec_type, "--spec-type", error=ABError)
+    check_timeout(timeout)
+    if plot is not None:
+        validate.writable_file(plot, "--plot", ABError)
+    if log_dir is not None:
+        validate.writable_dir(log_dir, "--log-dir", error=ABError)
     if binaries is None:
         say("finding llama.cpp binaries")
         binaries = llama.ensure()
@@ -199,8 +225,17 @@ def run_local(
             settings,
             plot=plot,
             progress=progress,
+            timeout=timeout,
             local=local,
         )
 
 
-__all__ = ["DEFAULT_SPEC_TYPE", "ProgressFn", "run", "run_local", "uses_draft"]
+__all__ = [
+    "DEFAULT_SPEC_TYPE",
+    "PROBE_TIMEOUT",
+    "ProgressFn",
+    "check_timeout",
+    "run",
+    "run_local",
+    "uses_draft",
+]

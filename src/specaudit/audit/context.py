@@ -58,6 +58,7 @@ class AuditContext:
         self._servers: dict[str, LlamaServer] = {}
         self._bins: dict[str, LlamaBinaries] = {}
         self._fixture: FixtureSet | None = None
+        self._context_fixture: FixtureSet | None = None
         self._gemma: Path | None = None
         self.log_dir = out_dir / "logs"
 
@@ -86,6 +87,18 @@ class AuditContext:
         return self._fixture
 
     @property
+    def context_fixture(self) -> FixtureSet:
+        """The context-kind fixture set (`fixtures.context_spec`), built once."""
+        if self._context_fixture is None:
+            from specaudit import fixtures
+
+            self.progress("building the context fixture")
+            self._context_fixture = fixtures.build(
+                self.out_dir / "fixtures-context", kind="context"
+            )
+        return self._context_fixture
+
+    @property
     def gemma(self) -> Path:
         if self._gemma is None:
             from specaudit.models import gemma_270m
@@ -94,11 +107,20 @@ class AuditContext:
             self._gemma = gemma_270m().path
         return self._gemma
 
+    def _fixture_of(self, model: str) -> FixtureSet | None:
+        if model == "fixture":
+            return self.fixture
+        if model == "fixture-context":
+            return self.context_fixture
+        return None
+
     def model_path(self, model: str) -> Path:
-        return Path(self.fixture.target) if model == "fixture" else self.gemma
+        fs = self._fixture_of(model)
+        return Path(fs.target) if fs is not None else self.gemma
 
     def draft_path(self, model: str) -> Path:
-        return Path(self.fixture.draft) if model == "fixture" else self.gemma
+        fs = self._fixture_of(model)
+        return Path(fs.draft) if fs is not None else self.gemma
 
     def server(self, name: str) -> LlamaServer:
         """The named server (a `presets.PRESETS` key), started on first use and stopped when

@@ -78,9 +78,14 @@ def run(
     ensure_bins: EnsureFn | None = None,
     sections: tuple[tuple[str, SectionFn], ...] = SECTIONS,
 ) -> AuditReport:
-    """Run every section (or `only` those keys) and write report.md / report.json."""
+    """Run every section (or `only` those keys) and write report.md / report.json.
+
+    `out_dir` is created and checked writable first: a one-line error, before any section.
+    """
+    from specaudit import validate
+
     chosen = select(only, sections)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = validate.writable_dir(out_dir, "--out")
     say = progress or (lambda m: None)
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -3,11 +3,15 @@
 Each command lives in its own module here and is loaded only when it runs (or its own --help
 is asked for): `specaudit --version` and `specaudit --help` import no command module, so no
 numpy, scipy or matplotlib. Errors a user can cause are `SpecauditError`s: printed as one line
-on stderr, exit code from the error (see `specaudit.outcome`).
+on stderr, exit code from the error (see `specaudit.outcome`). Any other exception is a bug:
+`run`'s guard (`specaudit.cli.crash`) writes its traceback, redacted, to a file, prints one
+``error:`` line naming the bug and that file, and exits 3 (`EXIT_INTERNAL`), so a crash can
+never read as a verdict (Python's own exit 1 would mean "finding").
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import signal
 import sys
@@ -19,7 +23,12 @@ import click
 
 from specaudit import __version__
 from specaudit.errors import SpecauditError
-from specaudit.outcome import EXIT_CODES_HELP, EXIT_INTERRUPTED, EXIT_NO_DECISION
+from specaudit.outcome import (
+    EXIT_CODES_HELP,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NO_DECISION,
+)
 
 # name -> "module:attribute" of the click command.
 COMMANDS: dict[str, str] = {
@@ -137,29 +146,52 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code; errors are one `error:` line on stderr.
 
-    `main` is this plus `sys.exit`; tests call it in-process (tests/conftest.py).
+    `main` is this plus `sys.exit`; tests call it in-process (tests/conftest.py). Whatever
+    happens the result is a documented exit code: a bug is `EXIT_INTERNAL`, never 1.
     """
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        _echo_err("error: interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # the guard: anything else is a bug in specaudit
+        try:
+            from specaudit.cli.crash import report
+
+            line = report(e, argv)
+        except Exception:  # noqa: BLE001 - even reporting failed: still one line
+            line = f"error: internal error (a bug in specaudit): {type(e).__name__}"
+        _echo_err(line)
+        return EXIT_INTERNAL
+
+
+def _echo_err(line: str) -> None:
+    # if stderr itself is gone the exit code still tells
+    with contextlib.suppress(Exception):
+        click.echo(line, err=True)
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         rc = cli.main(args=argv, prog_name="specaudit", standalone_mode=False)
     except SystemExit as e:
-        # a command's own exit code (raise SystemExit(result.exit_code)); a message: re-raise
+        # a command's own exit code (raise SystemExit(result.exit_code))
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
-        raise
+        # sys.exit("message"): an error that is not a verdict
+        click.echo(f"error: {' '.join(str(e.code).split())}", err=True)
+        return EXIT_NO_DECISION
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         return EXIT_INTERRUPTED
     except click.ClickException as e:
-        # usage errors: one line, exit 2
+        # usage and other click errors: one line, exit 2 (click's own default, 1, is a finding)
         msg = e.format_message().splitlines()[0] if e.format_message() else str(e)
         click.echo(f"error: {msg}", err=True)
-        return e.exit_code if e.exit_code else EXIT_NO_DECISION
+        return EXIT_NO_DECISION
     except SpecauditError as e:
         click.echo(f"error: {e}", err=True)
         return e.exit_code
-    except KeyboardInterrupt:
-        click.echo("error: interrupted", err=True)
-        return EXIT_INTERRUPTED
     return rc if isinstance(rc, int) else 0
 
 

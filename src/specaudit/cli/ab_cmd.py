@@ -8,6 +8,11 @@ import click
 
 from specaudit import ab, progress
 from specaudit.cli.common import (
+    TEXT,
+    URL,
+    WRITABLE_DIR,
+    WRITABLE_FILE,
+    SafePath,
     console,
     emit_json,
     ensure_binaries,
@@ -16,17 +21,19 @@ from specaudit.cli.common import (
     prompt_option,
     sample_progress,
     seeds_option,
+    temperature_option,
+    timeout_option,
     tokens_option,
     top_k_option,
 )
-from specaudit.outcome import EXIT_FINDING, EXIT_OK
+from specaudit.outcome import EXIT_FINDING, EXIT_OK, EXIT_TAIL_HELP
+from specaudit.validate import MAX_INT32
 
 AB_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  consistent: both sides fully covered and in agreement\n"
     "  1  instrument fault: the spec side's aggregate comes from placeholders\n"
-    "  2  inconclusive, or no decision: bad input, unreachable or non-LLM server\n"
-    "  130 interrupted"
+    "  2  inconclusive, or no decision: bad input, unreachable or non-LLM server\n" + EXIT_TAIL_HELP
 )
 
 
@@ -35,22 +42,20 @@ def _status(msg: str) -> None:
 
 
 @click.command("ab", epilog=AB_EXIT_HELP)
-@click.option("--plain", "plain_url", metavar="URL", help="Server started without speculation.")
-@click.option("--spec", "spec_url", metavar="URL", help="Server that speculates.")
+@click.option(
+    "--plain", "plain_url", type=URL, metavar="URL", help="Server started without speculation."
+)
+@click.option("--spec", "spec_url", type=URL, metavar="URL", help="Server that speculates.")
 @seeds_option(
     default=ab.DEFAULT_SEEDS,
     min_value=1,
-    help="Seeds per side (1..N), sent concurrently up to each server's slots.",
+    max_value=ab.MAX_SEEDS,
+    help=f"Seeds per side (1..N, N <= {ab.MAX_SEEDS}), sent concurrently up to each server's "
+    "slots.",
 )
 @tokens_option(default=ab.DEFAULT_TOKENS, min_value=1, help="Tokens per response.")
 @prompt_option(default=ab.DEFAULT_PROMPT, help="User prompt.")
-@click.option(
-    "--temperature",
-    type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    help="Sampling temperature.",
-)
+@temperature_option()
 @top_k_option(
     "top_logprobs",
     default=ab.DEFAULT_TOP_LOGPROBS,
@@ -58,7 +63,7 @@ def _status(msg: str) -> None:
 )
 @click.option(
     "--sampler-top-k",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=MAX_INT32),
     default=None,
     help="Sampler top-k (default: the server's).",
 )
@@ -71,30 +76,36 @@ def _status(msg: str) -> None:
 )
 @click.option(
     "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=WRITABLE_FILE,
     default=None,
-    help="Write a PNG: per-token traces with placeholders marked, per-seed means.",
+    help="Write a PNG: per-token traces with placeholders marked, per-seed means (its "
+    "directory is checked writable before sampling).",
+)
+@timeout_option(
+    default=120.0,
+    help=f"Seconds per request (the first /slots probe: at most {ab.PROBE_TIMEOUT:g}).",
 )
 @click.option(
     "--model",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=SafePath(dir_okay=False),
     default=None,
     help="Without URLs: GGUF for both servers (default: Gemma 3 270M).",
 )
 @click.option(
     "--draft",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=SafePath(dir_okay=False),
     default=None,
     help="Without URLs: draft GGUF (default: the model itself, for draft-* types).",
 )
 @click.option(
     "--spec-type",
+    type=TEXT,
     default=None,
     help=f"Without URLs: llama-server --spec-type (default: {ab.DEFAULT_SPEC_TYPE}).",
 )
 @click.option(
     "--log-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=WRITABLE_DIR,
     default=None,
     help="Without URLs: keep the servers' logs here.",
 )
@@ -110,6 +121,7 @@ def command(
     top_logprobs: int,
     endpoint: str,
     plot: Path | None,
+    timeout: float,
     model: Path | None,
     draft: Path | None,
     spec_type: str | None,
@@ -144,11 +156,16 @@ def command(
         top_logprobs=top_logprobs,
         endpoint=endpoint,
     )
+    if plain_url is None and (spec_type == "none" or spec_type == ""):
+        raise ab.ABError("--spec-type must name a speculative decoding type (e.g. draft-simple)")
+    for what, path in (("--model", model), ("--draft", draft)):
+        if path is not None and not path.is_file():  # before a build, not after it
+            raise ab.ABError(f"{what} file not found: {path}")
     bins = None if plain_url is not None else ensure_binaries()  # its own progress bar
     # A live bar on a terminal; silent off one (the result is the output).
     with sample_progress("sampling", 2 * seeds, unit="responses", quiet=True) as cb:
         if plain_url is not None and spec_url is not None:
-            result = ab.run(plain_url, spec_url, settings, plot=plot, progress=cb)
+            result = ab.run(plain_url, spec_url, settings, plot=plot, progress=cb, timeout=timeout)
         else:
             result = ab.run_local(
                 settings,
@@ -160,6 +177,7 @@ def command(
                 plot=plot,
                 progress=cb,
                 status=_status,
+                timeout=timeout,
             )
     if as_json:
         emit_json(result)

@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING
 import click
 
 from specaudit import llama, progress
-from specaudit.cli.common import console, emit_json, ensure_binaries, json_option, out
+from specaudit.cli.common import (
+    TEXT,
+    WRITABLE_DIR,
+    console,
+    emit_json,
+    ensure_binaries,
+    json_option,
+    out,
+)
+from specaudit.outcome import EXIT_TAIL_HELP
+from specaudit.validate import MAX_INT32
 
 if TYPE_CHECKING:
     from specaudit.llama.build import LlamaBinaries
@@ -16,8 +26,7 @@ if TYPE_CHECKING:
 AUDIT_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  every section ran (findings, such as placeholders, are in the report)\n"
-    "  2  a section could not run (its error is in the report), or bad input\n"
-    "  130 interrupted"
+    "  2  a section could not run (its error is in the report), or bad input\n" + EXIT_TAIL_HELP
 )
 
 
@@ -25,26 +34,34 @@ AUDIT_EXIT_HELP = (
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=WRITABLE_DIR,
     default=Path("specaudit-report"),
     show_default=True,
-    help="Directory for report.md, report.json, plots and server logs.",
+    help="Directory for report.md, report.json, plots and server logs (checked writable "
+    "before anything is built).",
 )
 @click.option(
     "--build",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_INT32),
     default=llama.DEFAULT_BUILD,
     show_default=True,
     help="llama.cpp build number.",
 )
-@click.option("--only", multiple=True, help="Run only these sections (servers, check, ab, ...).")
+@click.option(
+    "--only",
+    type=TEXT,
+    multiple=True,
+    help="Run only these sections (servers, check, ab, ...).",
+)
 @json_option
 def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> None:
     """Provision llama.cpp, fixtures and Gemma 3 270M, start plain and speculating servers,
     and audit them: what /slots and /props say, placeholder logprobs, aggregates,
     sampling distributions, the proxy, and the patched server."""
     from specaudit import audit
+    from specaudit.audit.runner import select
 
+    select(only)  # an unknown section is an error now, not after the build
     # Build (or find) every binary first, with its own progress bar: one live display at a time.
     prebuilt: dict[tuple[str, ...], LlamaBinaries] = {(): ensure_binaries(build)}
     for p in llama.available_patches(build):

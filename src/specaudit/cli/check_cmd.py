@@ -9,13 +9,20 @@ import click
 # specaudit.check is light (no numpy/scipy): its defaults and choices feed the options below.
 from specaudit.check import DEFAULT_PROMPT, ENDPOINT_GROUPS
 from specaudit.cli.common import (
+    API_KEY,
+    TEXT,
+    URL,
     emit_json,
     json_option,
     out,
     prompt_option,
+    seed_option,
+    temperature_option,
+    timeout_option,
     tokens_option,
     top_k_option,
 )
+from specaudit.outcome import EXIT_TAIL_HELP
 
 if TYPE_CHECKING:
     from specaudit.check import CheckResult
@@ -25,13 +32,12 @@ CHECK_EXIT_HELP = (
     "  0  every logprob is real (candidates came back for every token)\n"
     "  1  placeholders found: k candidates requested, none returned\n"
     "  2  no decision: unreachable server, HTTP errors, non-JSON answers, not an LLM\n"
-    "     server, no logprobs at all, or bad options\n"
-    "  130 interrupted"
+    "     server, no logprobs at all, or bad options\n" + EXIT_TAIL_HELP
 )
 
 
 @click.command("check", epilog=CHECK_EXIT_HELP)
-@click.argument("url")
+@click.argument("url", type=URL)
 @top_k_option()
 @tokens_option(default=24, min_value=2, help="Tokens to generate per request.")
 @click.option(
@@ -46,18 +52,20 @@ CHECK_EXIT_HELP = (
     default=DEFAULT_PROMPT,
     help="Prompt (chat: the user message). Must be text the model can tokenize.",
 )
-@click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True)
+@seed_option()
+@temperature_option()
 @click.option(
     "--stream/--no-stream",
     default=None,
     help="Only streamed (SSE) / only non-streamed requests. Default: both.",
 )
-@click.option("--model", default=None, help="'model' field for servers that require one.")
-@click.option("--api-key", envvar="SPECAUDIT_API_KEY", default=None, help="Bearer token.")
 @click.option(
-    "--timeout", type=float, default=120.0, show_default=True, help="Seconds per request."
+    "--model", type=TEXT, default=None, help="'model' field for servers that require one."
 )
+@click.option(
+    "--api-key", type=API_KEY, envvar="SPECAUDIT_API_KEY", default=None, help="Bearer token."
+)
+@timeout_option(default=120.0)
 @click.option(
     "--summary", is_flag=True, help="Leave out the per-token tables; counts and verdict only."
 )

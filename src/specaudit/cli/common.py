@@ -1,4 +1,10 @@
-"""Helpers every command shares: option factories, JSON output, consoles, build progress.
+"""Helpers every command shares: option types and factories, JSON output, consoles, build
+progress.
+
+Every option is checked by its type before the command body runs (so before any build,
+server start or request): numbers are finite and in range (`FiniteFloat`, `IntRange`), text
+is UTF-8 (`TEXT`), URLs parse (`URL`), output paths are writable (`WRITABLE_FILE`,
+`WRITABLE_DIR`). The types wrap `specaudit.validate`, which the library calls again.
 
 Kept light on purpose (no numpy, scipy, matplotlib, httpx at import): `specaudit check --help`
 imports this module, and start-up time is part of the interface.
@@ -8,19 +14,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
 
-from specaudit import progress
+from specaudit import progress, validate
+from specaudit.validate import MAX_INT32, MAX_SEED, MAX_TIMEOUT
 
 if TYPE_CHECKING:
     from specaudit.llama import LlamaBinaries
     from specaudit.llama.build import ProgressFn
 
 __all__ = [
+    "API_KEY",
+    "TEXT",
+    "URL",
+    "WRITABLE_DIR",
+    "WRITABLE_FILE",
+    "FiniteFloat",
+    "SafePath",
     "build_progress",
     "console",
     "emit_json",
@@ -29,7 +46,10 @@ __all__ = [
     "out",
     "prompt_option",
     "sample_progress",
+    "seed_option",
     "seeds_option",
+    "temperature_option",
+    "timeout_option",
     "tokens_option",
     "top_k_option",
 ]
@@ -46,20 +66,106 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(to_jsonable(obj), indent=2, sort_keys=False))
 
 
+# --- option types: every value checked before the command runs ----------------------------
+
+
+class FiniteFloat(click.FloatRange):
+    """`click.FloatRange` that also rejects nan and ±inf (a range alone lets nan through)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+class _Checked(click.ParamType):
+    """A type whose check is a `specaudit.validate` function (its error becomes click's)."""
+
+    def __init__(self, name: str, check: Callable[[Any], Any]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return self._check(value)
+        except validate.InputError as e:
+            self.fail(str(e), param, ctx)
+
+
+class SafePath(click.Path):
+    """`click.Path` returning `Path`s that rejects "" (it would silently mean ".") and a NUL
+    byte (os.stat's ValueError) as usage errors."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("the path is empty.", param, ctx)
+        try:
+            return super().convert(value, param, ctx)
+        except ValueError as e:  # embedded null byte
+            self.fail(f"{value!r} is not a usable path ({e}).", param, ctx)
+
+
+class _CheckedPath(SafePath):
+    """`SafePath`, then a writability check that may create directories."""
+
+    def __init__(self, check: Callable[[Path], Path], *, file: bool) -> None:
+        super().__init__(file_okay=file, dir_okay=not file)
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        try:
+            return self._check(Path(os.fsdecode(path)))
+        except validate.InputError as e:
+            self.fail(str(e), param, ctx)
+
+
+URL = _Checked("url", validate.url)  # http(s), parseable host and port
+TEXT = _Checked("text", validate.text)  # UTF-8 (no undecodable argv bytes)
+API_KEY = _Checked("text", validate.token)  # printable ASCII; never echoed
+WRITABLE_FILE = _CheckedPath(validate.writable_file, file=True)  # its directory: made, writable
+WRITABLE_DIR = _CheckedPath(validate.writable_dir, file=False)  # made, writable
+
+
+def _int_type(min_value: int | None, max_value: int | None = MAX_INT32) -> click.ParamType:
+    return click.IntRange(min=min_value, max=max_value)
+
+
 # --- options shared by check, ab and dist (each passes its own default and help) -----------
-
-
-def _int_type(min_value: int | None) -> click.ParamType:
-    return click.INT if min_value is None else click.IntRange(min=min_value)
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 
 
-def seeds_option(*, default: int, help: str, min_value: int | None = None) -> Callable[[FC], FC]:
+def seeds_option(
+    *, default: int, help: str, min_value: int | None = None, max_value: int = MAX_SEED
+) -> Callable[[FC], FC]:
     """``--seeds N``: how many seeds (samples) to draw."""
     return click.option(
-        "--seeds", type=_int_type(min_value), default=default, show_default=True, help=help
+        "--seeds",
+        type=_int_type(min_value, max_value),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
+def seed_option(
+    name: str = "--seed", *, default: int = 1, help: str | None = None
+) -> Callable[[FC], FC]:
+    """``--seed N``: a reproducible llama.cpp seed, 0..2^32-2 (2^32-1 means random there)."""
+    return click.option(
+        name,
+        type=click.IntRange(0, MAX_SEED),
+        default=default,
+        show_default=True,
+        help=help,
     )
 
 
@@ -73,8 +179,32 @@ def tokens_option(*, default: int, help: str, min_value: int | None = None) -> C
 def prompt_option(*, default: str | None, help: str) -> Callable[[FC], FC]:
     """``--prompt TEXT``; with no default the command picks one (shown in `help`)."""
     if default is None:
-        return click.option("--prompt", help=help)
-    return click.option("--prompt", default=default, show_default=True, help=help)
+        return click.option("--prompt", type=TEXT, help=help)
+    return click.option("--prompt", type=TEXT, default=default, show_default=True, help=help)
+
+
+def temperature_option(
+    *names: str, default: float = 1.0, help: str = "Sampling temperature (finite, >= 0)."
+) -> Callable[[FC], FC]:
+    """``--temperature T``: finite and >= 0 everywhere (0 = greedy)."""
+    return click.option(
+        *(names or ("--temperature",)),
+        type=FiniteFloat(min=0),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
+def timeout_option(*, default: float, help: str = "Seconds per request.") -> Callable[[FC], FC]:
+    """``--timeout S``: per request, > 0 and at most a day (more overflows the socket layer)."""
+    return click.option(
+        "--timeout",
+        type=FiniteFloat(min=0, min_open=True, max=MAX_TIMEOUT),
+        default=default,
+        show_default=True,
+        help=f"{help} (0 < S <= {MAX_TIMEOUT:g})",
+    )
 
 
 TOP_K_HELP = "Candidates requested per token (top_logprobs / n_probs)."

@@ -10,24 +10,31 @@ from rich.table import Table
 
 from specaudit import dist, progress
 from specaudit.cli.common import (
+    URL,
+    WRITABLE_FILE,
+    FiniteFloat,
+    SafePath,
     console,
     emit_json,
     ensure_binaries,
     json_option,
     out,
     prompt_option,
+    seed_option,
     seeds_option,
+    temperature_option,
+    timeout_option,
     tokens_option,
 )
-from specaudit.outcome import Outcome
+from specaudit.outcome import EXIT_TAIL_HELP, Outcome
+from specaudit.validate import MAX_INT32
 
 DIST_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  PRESERVED: every engine samples from the target distribution (within --tolerance)\n"
     "  1  BROKEN: an engine's samples contradict the target distribution\n"
     "  2  INCONCLUSIVE (more samples needed), or no decision: bad input, missing or corrupt\n"
-    "     fixture, unreachable server, failed build\n"
-    "  130 interrupted"
+    "     fixture, unreachable server, failed build\n" + EXIT_TAIL_HELP
 )
 
 
@@ -79,6 +86,19 @@ def render(res: dist.DistResult) -> None:
         out.print(f"plot: {res.plot}", highlight=False)
 
 
+def _known_patches(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> tuple[str, ...]:
+    """--patch: a bundled patch or mutant, or a .patch file (made absolute), checked now."""
+    from specaudit import llama
+    from specaudit.errors import BuildError
+
+    try:
+        return tuple(llama.check_patch(name) for name in value)
+    except BuildError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
 @click.command("dist", epilog=DIST_EXIT_HELP)
 @click.option(
     "--engine",
@@ -89,11 +109,13 @@ def render(res: dist.DistResult) -> None:
     "llama-server spawned on the fixture without and with a draft model; speculative-example: "
     "llama.cpp's llama-speculative, one process per seed; url: a running server (--url).",
 )
-@click.option("--url", help="Base URL of a llama-server-compatible server (--engine url).")
+@click.option(
+    "--url", type=URL, help="Base URL of a llama-server-compatible server (--engine url)."
+)
 @click.option(
     "--fixture",
     "fixture_dir",
-    type=click.Path(path_type=Path),
+    type=SafePath(),
     help="Fixture directory from `specaudit fixtures build` (SHA-256 checked) "
     "[default: the built-in fixture, built fresh].",
 )
@@ -102,23 +124,37 @@ def render(res: dist.DistResult) -> None:
     default=dist.DEFAULT_TOKENS,
     help=f"Tokens generated per sample (at least {dist.MIN_TOKENS}, so the server drafts).",
 )
-@click.option("--positions", type=int, help="Positions tested, 1..N [default: --tokens].")
 @click.option(
-    "--joint", type=int, help="Test the joint distribution of the first N positions [default: 3]."
+    "--positions",
+    type=click.IntRange(1, MAX_INT32),
+    help="Positions tested, 1..N [default: --tokens].",
+)
+@click.option(
+    "--joint",
+    type=click.IntRange(0, dist.MAX_JOINT),
+    help="Test the joint distribution of the first N positions [default: 3].",
 )
 # the sampler's top-k (not logprob candidates as in check/ab): its own option
-@click.option("--top-k", type=int, default=3, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--temperature", "--temp", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0, MAX_INT32), default=3, show_default=True)
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--min-p", type=FiniteFloat(0, 1, max_open=True), default=0.0, show_default=True)
+@temperature_option("--temperature", "--temp")
 @seeds_option(
-    default=1000, help="Samples per engine: seeds S..S+N-1 (the maximum with --sequential)."
+    default=1000,
+    min_value=1,
+    help="Samples per engine: seeds S..S+N-1 (the maximum with --sequential); memory does "
+    "not grow with N.",
 )
-@click.option("--seed-start", type=int, default=1, show_default=True, help="First seed S.")
-@click.option("--alpha", type=float, default=dist.DEFAULT_ALPHA, show_default=True)
+@seed_option("--seed-start", default=1, help="First seed S.")
+@click.option(
+    "--alpha",
+    type=FiniteFloat(0, 1, min_open=True, max_open=True),
+    default=dist.DEFAULT_ALPHA,
+    show_default=True,
+)
 @click.option(
     "--tolerance",
-    type=float,
+    type=FiniteFloat(0, 1, min_open=True),
     default=dist.DEFAULT_TOLERANCE,
     show_default=True,
     help="PRESERVED needs the data to rule out a larger next-token TV distance at every position.",
@@ -130,11 +166,37 @@ def render(res: dist.DistResult) -> None:
     "samples used.",
 )
 @click.option(
-    "--parallel", type=int, default=4, show_default=True, help="Slots (-np) of spawned servers."
+    "--parallel",
+    type=click.IntRange(1, dist.MAX_PARALLEL),
+    default=4,
+    show_default=True,
+    help="Slots (-np) of spawned servers.",
 )
-@click.option("--concurrency", type=int, help="Requests in flight [default: 2 x slots].")
-@click.option("--jobs", type=int, help="Parallel llama-speculative processes [default: CPUs].")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG here.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, dist.MAX_CONCURRENCY),
+    help="Requests in flight [default: 2 x slots].",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(1, dist.MAX_JOBS),
+    help="Parallel llama-speculative processes [default: CPUs].",
+)
+@click.option(
+    "--patch",
+    "patches",
+    multiple=True,
+    callback=_known_patches,
+    help="Run the server and speculative-example engines on llama.cpp built with this patch: "
+    "one shipped with specaudit (spec-logprobs), a mutant (mutants/NAME, docs/mutants.md), or a "
+    "path to a .patch file. Repeatable.",
+)
+@timeout_option(default=dist.DEFAULT_TIMEOUT, help="Seconds per request to a server engine.")
+@click.option(
+    "--plot",
+    type=WRITABLE_FILE,
+    help="Write a PNG here (its directory is checked writable before sampling).",
+)
 @json_option
 def command(
     engines: tuple[str, ...],
@@ -156,6 +218,8 @@ def command(
     parallel: int,
     concurrency: int | None,
     jobs: int | None,
+    patches: tuple[str, ...],
+    timeout: float,
     plot: Path | None,
     as_json: bool,
 ) -> None:
@@ -170,12 +234,6 @@ def command(
     """
     if engines == ():
         engines = ("url",) if url else ("server", "speculative-example")
-    if (
-        parallel < 1
-        or (concurrency is not None and concurrency < 1)
-        or (jobs is not None and jobs < 1)
-    ):
-        raise dist.DistError("--parallel, --concurrency and --jobs must be at least 1")
     from specaudit import fixtures
 
     sampler = fixtures.SamplerSettings(
@@ -195,8 +253,16 @@ def command(
         seeds=seeds,
         alpha=alpha,
         tolerance=tolerance,
+        seed_start=seed_start,
+        parallel=parallel,
+        concurrency=concurrency,
+        jobs=jobs,
+        timeout=timeout,
+        plot=plot,
     )
-    bins = ensure_binaries() if dist.needs_binaries(engines) else None
+    if patches and not dist.needs_binaries(engines):
+        raise dist.DistError("--patch applies to the server and speculative-example engines only")
+    bins = ensure_binaries(patches=patches) if dist.needs_binaries(engines) else None
     # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
     with progress.bars(console=console) as bars:
 
@@ -223,6 +289,7 @@ def command(
             binaries=bins,
             plot=plot,
             progress=cb,
+            timeout=timeout,
         )
     if as_json:
         emit_json(res)

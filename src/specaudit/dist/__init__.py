@@ -26,7 +26,7 @@ stopping), `engines` (what produces samples), `driver` (sampling an engine, `mea
 section is `specaudit.audit.sections.dist`.
 """
 
-from specaudit.dist.analysis import analyze
+from specaudit.dist.analysis import Tally, analyze
 from specaudit.dist.driver import collect, measure, measure_async
 from specaudit.dist.engines import (
     EXAMPLE_RETRIES,
@@ -65,8 +65,12 @@ from specaudit.dist.results import (
     Workload,
 )
 from specaudit.dist.runner import (
+    DEFAULT_TIMEOUT,
     ENGINES,
+    MAX_CONCURRENCY,
+    MAX_JOBS,
     MAX_JOINT,
+    MAX_PARALLEL,
     MIN_TOKENS,
     load_fixture,
     make_workload,
@@ -81,11 +85,15 @@ from specaudit.dist.truth import Truth
 __all__ = [
     "CONTEXT_HEADERS",
     "DEFAULT_ALPHA",
+    "DEFAULT_TIMEOUT",
     "DEFAULT_TOKENS",
     "DEFAULT_TOLERANCE",
     "ENGINES",
     "EXAMPLE_RETRIES",
+    "MAX_CONCURRENCY",
+    "MAX_JOBS",
     "MAX_JOINT",
+    "MAX_PARALLEL",
     "MIN_TOKENS",
     "SAMPLER_CHAIN",
     "SEQUENTIAL_FIRST_LOOK",
@@ -102,6 +110,7 @@ __all__ = [
     "Sequential",
     "SequentialResult",
     "ServerEngine",
+    "Tally",
     "TestResult",
     "TokenRow",
     "Truth",

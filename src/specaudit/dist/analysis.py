@@ -1,9 +1,15 @@
-"""The fixed-sample analysis: per-position stratified tests, the joint, Holm, TV, a verdict."""
+"""The fixed-sample analysis: per-position stratified tests, the joint, Holm, TV, a verdict.
+
+Samples are analysed as a `Tally`: counts of the distinct generated texts (cut to the tested
+positions), never a list of samples, so memory depends on how many *different* texts came
+back (at most letters^positions), not on --seeds. The results are the same as over the list.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +28,53 @@ from specaudit.dist.results import (
 )
 from specaudit.dist.truth import Truth, check_text, stratum_key
 from specaudit.stats import TvInterval, Verdict
+
+
+@dataclass
+class Tally:
+    """One engine's samples as the analysis needs them, in memory independent of their number.
+
+    `texts` counts the distinct generated texts cut to the `length` tested characters, in
+    order of first appearance (so the analysis sees contexts in the same order as over the
+    list of samples); the seed range and draft counts are kept as running totals.
+    """
+
+    length: int
+    texts: dict[str, int] = field(default_factory=dict)
+    n: int = 0
+    first_seed: int | None = None
+    last_seed: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+
+    @classmethod
+    def of(cls, samples: Iterable[Sample], workload: Workload) -> Tally:
+        t = cls(tally_length(workload))
+        for s in samples:
+            t.add(s)
+        return t
+
+    def add(self, s: Sample) -> None:
+        key = s.text[: self.length]
+        self.texts[key] = self.texts.get(key, 0) + 1
+        self.n += 1
+        self.first_seed = s.seed if self.first_seed is None else min(self.first_seed, s.seed)
+        self.last_seed = s.seed if self.last_seed is None else max(self.last_seed, s.seed)
+        if s.drafted is not None:
+            self.drafted = (self.drafted or 0) + s.drafted
+        if s.accepted is not None:
+            self.accepted = (self.accepted or 0) + s.accepted
+
+
+def tally_length(workload: Workload) -> int:
+    """Characters of a sample the analysis reads: the tested positions (and the joint)."""
+    return max(workload.positions, workload.joint)
+
+
+def _weighted(texts: Sequence[str] | Mapping[str, int]) -> Iterable[tuple[str, int]]:
+    if isinstance(texts, Mapping):
+        return texts.items()
+    return ((t, 1) for t in texts)
 
 
 def _context_label(prompt: str, prefixes: list[str]) -> str:
@@ -51,7 +104,7 @@ def _rows(labels: Sequence[str], counts: np.ndarray, p: np.ndarray) -> list[Toke
 
 
 def _position_strata(
-    truth: Truth, texts: Sequence[str], t: int
+    truth: Truth, texts: Sequence[str] | Mapping[str, int], t: int
 ) -> dict[tuple[float, ...], tuple[np.ndarray, np.ndarray, dict[str, None]]]:
     """Counts of the token at position t (1-based), grouped by true conditional distribution.
 
@@ -59,7 +112,7 @@ def _position_strata(
     they are pooled; the prefixes pooled are kept (in order of appearance) for labels.
     """
     groups: dict[tuple[float, ...], tuple[np.ndarray, np.ndarray, dict[str, None]]] = {}
-    for text in texts:
+    for text, w in _weighted(texts):
         prefix = text[: t - 1]
         p = truth.next(prefix)
         k = stratum_key(p)
@@ -67,19 +120,21 @@ def _position_strata(
         if g is None:
             g = (np.zeros(len(p), dtype=np.int64), p, {})
             groups[k] = g
-        g[0][truth.index[text[t - 1]]] += 1
+        g[0][truth.index[text[t - 1]]] += w
         g[2][prefix] = None
     return groups
 
 
-def _marginal_counts(truth: Truth, texts: Sequence[str], t: int) -> np.ndarray:
+def _marginal_counts(truth: Truth, texts: Sequence[str] | Mapping[str, int], t: int) -> np.ndarray:
     counts = np.zeros(len(truth.labels), dtype=np.int64)
-    for text in texts:
-        counts[truth.index[text[t - 1]]] += 1
+    for text, w in _weighted(texts):
+        counts[truth.index[text[t - 1]]] += w
     return counts
 
 
-def position_tv(truth: Truth, texts: Sequence[str], t: int, alpha: float) -> TvInterval:
+def position_tv(
+    truth: Truth, texts: Sequence[str] | Mapping[str, int], t: int, alpha: float
+) -> TvInterval:
     """TV between the engine's and the target's distribution of the token at position t."""
     return stats.tv_interval(_marginal_counts(truth, texts, t), truth.marginal(t), alpha)
 
@@ -87,7 +142,7 @@ def position_tv(truth: Truth, texts: Sequence[str], t: int, alpha: float) -> TvI
 def analyze(
     spec: fixtures.FixtureSpec,
     workload: Workload,
-    samples: Sequence[Sample],
+    samples: Sequence[Sample] | Tally,
     *,
     alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE,
@@ -96,13 +151,23 @@ def analyze(
     seconds: float = 0.0,
     mc_seed: int = 0,
 ) -> EngineResult:
-    """Test samples against the fixture's closed-form distributions (fixed-sample analysis)."""
-    if not samples:
+    """Test samples against the fixture's closed-form distributions (fixed-sample analysis).
+
+    `samples`: the samples, or their `Tally` (whose texts the caller has checked with
+    `check_text`); the result is the same.
+    """
+    if isinstance(samples, Tally):
+        tally = samples
+    else:
+        for s in samples:
+            check_text(s.text, workload.tokens, spec, engine)
+        tally = Tally.of(samples, workload)
+    if not tally.n:
         raise DistError(f"{engine}: no samples to analyse")
+    if tally.length < tally_length(workload):
+        raise DistError(f"{engine}: the tally keeps {tally.length} characters, too few")
     truth = Truth(spec, workload)
-    texts = [s.text for s in samples]
-    for s in samples:
-        check_text(s.text, workload.tokens, spec, engine)
+    texts = tally.texts
     tests: list[TestResult] = []
     contexts: list[ContextResult] = []
     headline: list[ContextResult] = []
@@ -140,8 +205,8 @@ def analyze(
         joint_p = truth.joint(j)
         seqs = sorted(joint_p)
         counts_d: dict[str, int] = {}
-        for text in texts:
-            counts_d[text[:j]] = counts_d.get(text[:j], 0) + 1
+        for text, w in texts.items():
+            counts_d[text[:j]] = counts_d.get(text[:j], 0) + w
         extra = sorted(s for s in counts_d if s not in joint_p)  # impossible sequences seen
         cells = seqs + extra
         counts = np.array([counts_d.get(s, 0) for s in cells], dtype=np.int64)
@@ -162,19 +227,18 @@ def analyze(
     impossible = sum(x.gof.impossible for x in tests if x.kind == "position")
     verdict = stats.decide(adj, alpha, tv_uppers, tolerance, impossible > 0)
     reason = _reason(verdict, tests, tv_uppers, alpha, tolerance, impossible)
-    drafted = [s.drafted for s in samples if s.drafted is not None]
-    accepted = [s.accepted for s in samples if s.accepted is not None]
+    assert tally.first_seed is not None and tally.last_seed is not None
     return EngineResult(
         engine=engine,
         kind=kind,
         verdict=verdict,
         alpha=alpha,
         tolerance=tolerance,
-        n_samples=len(samples),
-        first_seed=min(s.seed for s in samples),
-        last_seed=max(s.seed for s in samples),
-        drafted=sum(drafted) if drafted else None,
-        accepted=sum(accepted) if accepted else None,
+        n_samples=tally.n,
+        first_seed=tally.first_seed,
+        last_seed=tally.last_seed,
+        drafted=tally.drafted,
+        accepted=tally.accepted,
         tests=tests,
         contexts=contexts,
         headline=headline,
@@ -213,4 +277,4 @@ def _reason(
     )
 
 
-__all__ = ["analyze", "position_tv"]
+__all__ = ["Tally", "analyze", "position_tv", "tally_length"]

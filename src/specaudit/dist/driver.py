@@ -1,4 +1,9 @@
-"""Driving an engine: seeds sampled concurrently, consumed in seed order, then analysed."""
+"""Driving an engine: seeds sampled concurrently, consumed in seed order, then analysed.
+
+Bounded memory whatever the number of seeds: the seeds are read from their sequence (a
+`range` is never materialised), at most a few windows of samples are in flight or waiting
+for their turn, and consumed samples are only counted (`specaudit.dist.analysis.Tally`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from specaudit import fixtures
-from specaudit.dist.analysis import analyze
+from specaudit.dist.analysis import Tally, analyze
 from specaudit.dist.engines import Engine
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
@@ -18,7 +23,7 @@ from specaudit.dist.results import (
     Workload,
 )
 from specaudit.dist.sequential import Sequential
-from specaudit.dist.truth import Truth
+from specaudit.dist.truth import Truth, check_text
 
 
 async def _drive(
@@ -32,7 +37,7 @@ async def _drive(
     dropped (milliseconds; a process killed mid-start could be left unreaped); on an error or
     an interrupt they are cancelled.
     """
-    order = list(seeds)
+    order = seeds  # indexed, never copied: a range of a billion seeds stays a range
     running: dict[asyncio.Task[Sample], int] = {}
     ready: dict[int, Sample] = {}
     launched = consumed = drawn = 0
@@ -121,14 +126,15 @@ async def measure_async(
     progress: ProgressFn | None = None,
 ) -> EngineResult:
     truth = Truth(spec, workload)
-    samples: list[Sample] = []
+    tally = Tally.of((), workload)
     total = len(seeds)
     report = progress or (lambda label, done, planned: None)
     seq = Sequential(truth, workload, alpha, tolerance, total) if sequential else None
 
     def consume(s: Sample) -> bool:
-        samples.append(s)
-        report(engine.label, len(samples), total)
+        check_text(s.text, workload.tokens, spec, engine.label)
+        tally.add(s)
+        report(engine.label, tally.n, total)
         return seq.add(s) if seq is not None else False
 
     t0 = time.perf_counter()
@@ -138,7 +144,7 @@ async def measure_async(
         await engine.aclose()
     seconds = time.perf_counter() - t0
     res = analyze(
-        spec, workload, samples,
+        spec, workload, tally,
         alpha=alpha, tolerance=tolerance, engine=engine.label, kind=engine.kind, seconds=seconds,
     )  # fmt: skip
     if seq is not None:

@@ -19,6 +19,8 @@ from specaudit.dist.truth import check_text
 # own defaults (penalties, DRY, XTC, another order) cannot change what is sampled.
 SAMPLER_CHAIN = ("top_k", "top_p", "min_p", "temperature")
 EXAMPLE_RETRIES = 50  # see ExampleEngine: llama.cpp may lose the output tail at exit
+# Requests in flight at most (--concurrency): also caps what a server's /slots may ask for.
+MAX_CONCURRENCY = 1024
 
 
 class Engine(Protocol):
@@ -51,7 +53,9 @@ class ServerEngine:
         self.workload = workload
         self.label = label or f"url {self.url}"
         self.kind = kind
-        self.concurrency = concurrency or 2 * _slot_count(self.url)
+        self.concurrency = concurrency or min(
+            2 * _slot_count(self.url, min(timeout, 10.0)), MAX_CONCURRENCY
+        )
         self._client = AsyncClient(self.url, timeout=timeout, max_connections=self.concurrency)
         s = workload.sampler
         self._body: dict[str, Any] = {
@@ -91,10 +95,10 @@ class ServerEngine:
         await self._client.aclose()
 
 
-def _slot_count(url: str) -> int:
+def _slot_count(url: str, timeout: float = 10.0) -> int:
     """Parallel slots of a server (from /slots, else /props), 1 if it does not say."""
     try:
-        with Client(url, timeout=10) as c:
+        with Client(url, timeout=timeout) as c:
             return speculation.read(c).parallel
     except ClientError as e:
         raise DistError(str(e)) from None

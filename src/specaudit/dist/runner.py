@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from specaudit import fixtures
+from specaudit import validate as checks
 from specaudit.dist.driver import measure
-from specaudit.dist.engines import ExampleEngine, ServerEngine
+from specaudit.dist.engines import MAX_CONCURRENCY, ExampleEngine, ServerEngine
 from specaudit.dist.render import plot_results
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
@@ -32,6 +33,14 @@ from specaudit.paths import cache_root
 ENGINES = ("server", "speculative-example", "url")
 MIN_TOKENS = 3  # llama-server drafts nothing when n_predict < 3
 MAX_JOINT = 6
+# What a spawned server, an HTTP client or a process pool can be asked for: beyond these a
+# typo costs the machine (llama-server allocates every slot, every request is a connection).
+MAX_PARALLEL = 256  # --parallel: slots of a spawned llama-server
+# MAX_CONCURRENCY (dist.engines, 1024): --concurrency, requests in flight
+MAX_JOBS = 1024  # --jobs: llama-speculative processes at once
+DEFAULT_TIMEOUT = 60.0  # seconds per request to a server engine
+# llama.cpp's --spec-draft-sampling: greedy (default; sample-and-match), probabilistic (rejection)
+DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 
 def make_workload(
@@ -67,12 +76,18 @@ def make_workload(
             f"{min(positions, MAX_JOINT)}, got {joint}"
         )
     s = sampler
-    if s.top_p <= 0 or s.top_p > 1 or s.min_p < 0 or s.min_p >= 1 or s.top_k < 0:
+    if (
+        not (0 < s.top_p <= 1)  # nan fails every comparison, so it is out of range here
+        or not (0 <= s.min_p < 1)
+        or isinstance(s.top_k, bool)
+        or not isinstance(s.top_k, int)
+        or not 0 <= s.top_k <= checks.MAX_INT32
+    ):
         raise DistError(
             "sampler settings out of range (0 < top-p <= 1, 0 <= min-p < 1, top-k >= 0)"
         )
     if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise DistError("--temperature must be >= 0")
+        raise DistError("--temperature must be a finite number >= 0")
     wl = Workload(prompt, tokens, positions, joint, sampler)
     truth = Truth(spec, wl)
     truth.next("")  # surfaces ambiguous settings now
@@ -82,21 +97,45 @@ def make_workload(
 
 
 def load_fixture(
-    path: str | os.PathLike[str] | None, work_dir: Path | None = None
+    path: str | os.PathLike[str] | None,
+    work_dir: Path | None = None,
+    kind: str | None = None,
 ) -> fixtures.FixtureSet:
-    """The fixture at `path` (SHA-256 verified), or the default fixture built into `work_dir`."""
+    """The fixture at `path` (SHA-256 verified), or the built-in fixture of `kind` ("last-token",
+    the default, or "context": `fixtures.KINDS`) built into `work_dir`. With both, the fixture
+    at `path` must be of that kind."""
+    _check_kind(None, kind)
     if path is None:
         # Building is deterministic and atomic, so a shared cache directory is safe.
         d = work_dir or (cache_root() / "fixtures")
+        if kind == "context":
+            return fixtures.build(d / "context", kind="context")
         return fixtures.build(d / "default")
     try:
-        return fixtures.load(path)
-    except fixtures.FixtureError as e:
-        raise DistError(f"fixture {path}: {e}") from None
+        fs = fixtures.load(path)
+    except (fixtures.FixtureError, OSError, ValueError) as e:
+        raise DistError(f"fixture {path}: {' '.join(str(e).split())}") from None
+    _check_kind(fs, kind)
+    return fs
+
+
+def _check_kind(fs: fixtures.FixtureSet | None, kind: str | None) -> None:
+    """DistError unless `kind` is None or a fixture kind, and `fs` (if given) of that kind."""
+    if kind is not None and kind not in fixtures.KINDS:
+        raise DistError(f"--fixture-kind must be one of {', '.join(fixtures.KINDS)}, got {kind!r}")
+    if fs is not None and kind is not None and fs.spec.kind != kind:
+        raise DistError(
+            f"fixture {fs.dir}: {fs.spec.name!r} is of kind {fs.spec.kind!r}, not {kind!r}"
+        )
 
 
 def _check_common(
-    engines: Sequence[str], url: str | None, seeds: int, alpha: float, tolerance: float
+    engines: Sequence[str],
+    url: str | None,
+    seeds: int,
+    alpha: float,
+    tolerance: float,
+    seed_start: int = 1,
 ) -> None:
     if not engines:
         raise DistError("no engine given")
@@ -105,12 +144,36 @@ def _check_common(
             raise DistError(f"unknown engine {e!r} (one of {', '.join(ENGINES)})")
     if "url" in engines and not url:
         raise DistError("--engine url needs --url")
+    if url is not None:
+        checks.url(url, "--url", DistError)
     if seeds < 1:
         raise DistError(f"--seeds must be at least 1, got {seeds}")
+    checks.integer(seed_start, "--seed-start", min=0, max=checks.MAX_SEED, error=DistError)
+    if seed_start + seeds - 1 > checks.MAX_SEED:
+        # llama.cpp's seed is a uint32 (2^32-1 = random): seeds past it would repeat or vary
+        raise DistError(
+            f"--seed-start + --seeds - 1 must be <= {checks.MAX_SEED} "
+            f"(llama.cpp's seed is a uint32), got {seed_start + seeds - 1}"
+        )
     if not 0 < alpha < 1:
         raise DistError(f"--alpha must be in (0, 1), got {alpha}")
     if not 0 < tolerance <= 1:
         raise DistError(f"--tolerance must be in (0, 1], got {tolerance}")
+
+
+def _check_run(
+    parallel: int, concurrency: int | None, jobs: int | None, timeout: float, plot: Path | None
+) -> None:
+    checks.integer(parallel, "--parallel", min=1, max=MAX_PARALLEL, error=DistError)
+    if concurrency is not None:
+        checks.integer(concurrency, "--concurrency", min=1, max=MAX_CONCURRENCY, error=DistError)
+    if jobs is not None:
+        checks.integer(jobs, "--jobs", min=1, max=MAX_JOBS, error=DistError)
+    checks.number(
+        timeout, "--timeout", min=0, min_open=True, max=checks.MAX_TIMEOUT, error=DistError
+    )
+    if plot is not None:
+        checks.writable_file(plot, "--plot", DistError)
 
 
 def validate(
@@ -127,10 +190,26 @@ def validate(
     alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE,
     work_dir: Path | None = None,
+    seed_start: int = 1,
+    parallel: int = 4,
+    concurrency: int | None = None,
+    jobs: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    plot: Path | None = None,
+    fixture_kind: str | None = None,
 ) -> tuple[fixtures.FixtureSet, Workload]:
-    """Check every input before anything slow starts; returns the fixture and the workload."""
-    _check_common(engines, url, seeds, alpha, tolerance)
-    fs = fixture if isinstance(fixture, fixtures.FixtureSet) else load_fixture(fixture, work_dir)
+    """Check every input before anything slow starts; returns the fixture and the workload.
+
+    Includes the plot path (its directory is created and checked writable now, not after
+    the measurement). `fixture_kind`: see `load_fixture`.
+    """
+    _check_common(engines, url, seeds, alpha, tolerance, seed_start)
+    _check_run(parallel, concurrency, jobs, timeout, plot)
+    if isinstance(fixture, fixtures.FixtureSet):
+        fs = fixture
+        _check_kind(fs, fixture_kind)
+    else:
+        fs = load_fixture(fixture, work_dir, fixture_kind)
     wl = make_workload(
         fs.spec, prompt=prompt, tokens=tokens, positions=positions, joint=joint, sampler=sampler
     )
@@ -141,6 +220,32 @@ def needs_binaries(engines: Sequence[str]) -> bool:
     return any(e in ("server", "speculative-example") for e in engines)
 
 
+def _check_patches(
+    engines: Sequence[str], patches: Sequence[str], binaries: object
+) -> tuple[str, ...]:
+    """`patches` checked against the engines and `binaries`; patch files as absolute paths."""
+    if isinstance(patches, str):
+        raise DistError("patches must be a sequence of patch names or paths, not one string")
+    if not patches:
+        return ()
+    if binaries is not None:
+        raise DistError("give binaries or patches, not both (binaries carry their own patches)")
+    if not needs_binaries(engines):
+        raise DistError("--patch applies to the server and speculative-example engines only")
+    from specaudit.llama import build
+
+    return tuple(build.check_patch(p) for p in patches)
+
+
+def _with_patches(label: str, b: LlamaBinaries) -> str:
+    """An engine's label, naming the patches its binaries were built with (none: unchanged)."""
+    if not b.patches:
+        return label
+    from specaudit.llama.build import patch_label
+
+    return f"{label} [{'+'.join(patch_label(p) for p in b.patches)}]"
+
+
 @contextlib.contextmanager
 def spawn_server(
     binaries: LlamaBinaries,
@@ -149,21 +254,38 @@ def spawn_server(
     draft: bool,
     parallel: int = 4,
     log_dir: Path | None = None,
+    draft_sampling: str = "greedy",
 ) -> Iterator[LlamaServer]:
-    """A llama-server on the fixture, with (`--spec-type draft-simple`) or without a draft."""
+    """A llama-server on the fixture, with (`--spec-type draft-simple`) or without a draft.
+
+    `draft_sampling` picks llama.cpp's verification path: "greedy" (its default, no flag: the
+    draft proposes its argmax, verified by sample-and-match, lossless by construction) or
+    "probabilistic" (``--spec-draft-sampling probabilistic``: the draft samples and reports
+    its distribution q, verified by rejection sampling; only at temperature > 0).
+    """
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise DistError(
+            f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}"
+        )
+    if draft_sampling != "greedy" and not draft:
+        raise DistError(f"draft_sampling={draft_sampling!r} needs a draft (draft=True)")
     name = "dist-spec" if draft else "dist-plain"
+    if draft_sampling != "greedy":
+        name += f"-{draft_sampling}"
+    sampling_args = ["--spec-draft-sampling", draft_sampling] if draft_sampling != "greedy" else []
     # presets' fixture policy: one thread (the fixture needs no second one; on a busy machine
     # extra threads only spin); a slot gets the fixture's whole context.
     srv = presets.server(
         binaries,
         fixture.target,
-        kind="fixture",
+        kind="fixture-context" if fixture.spec.kind == "context" else "fixture",
         draft=fixture.draft if draft else None,
         spec_type="draft-simple" if draft else None,
         parallel=parallel,
         ctx_per_slot=fixture.spec.config.context_length,
         log_path=(log_dir / f"{name}.log") if log_dir else None,
         name=name,
+        extra_args=sampling_args,
     )
     with srv:
         yield srv
@@ -191,8 +313,18 @@ def run(
     plot: Path | None = None,
     progress: ProgressFn | None = None,
     work_dir: Path | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    patches: Sequence[str] = (),
+    fixture_kind: str | None = None,
 ) -> DistResult:
-    """Run the distribution test on each engine (`server` means two: without and with a draft)."""
+    """Run the distribution test on each engine (`server` means two: without and with a draft).
+
+    Memory does not grow with `seeds` (a range, counted as sampled: `dist.driver`).
+    `patches`: when `binaries` is not given, the server and llama-speculative engines run on
+    llama.cpp built with these (bundled names, ``mutants/<name>``, paths to ``.patch`` files:
+    see `llama.ensure`); their engine labels name the patches.
+    """
+    patches = _check_patches(engines, patches, binaries)
     fs, wl = validate(
         engines,
         fixture=fixture,
@@ -206,8 +338,15 @@ def run(
         alpha=alpha,
         tolerance=tolerance,
         work_dir=work_dir,
+        seed_start=seed_start,
+        parallel=parallel,
+        concurrency=concurrency,
+        jobs=jobs,
+        timeout=timeout,
+        plot=plot,
+        fixture_kind=fixture_kind,
     )
-    seed_list = list(range(seed_start, seed_start + seeds))
+    seed_list = range(seed_start, seed_start + seeds)  # never a list: --seeds may be huge
     kw: dict[str, Any] = dict(
         alpha=alpha, tolerance=tolerance, sequential=sequential, progress=progress
     )
@@ -219,7 +358,7 @@ def run(
             return binaries()
         from specaudit import llama
 
-        return llama.ensure()
+        return llama.ensure(patches=patches)
 
     results: list[EngineResult] = []
     for name in dict.fromkeys(engines):
@@ -229,17 +368,23 @@ def run(
                 with spawn_server(b, fs, draft=draft, parallel=parallel, log_dir=work_dir) as srv:
                     eng = ServerEngine(
                         srv.url, fs.spec, wl,
-                        label="llama-server + draft" if draft else "llama-server, no draft",
+                        label=_with_patches(
+                            "llama-server + draft" if draft else "llama-server, no draft", b
+                        ),
                         kind="server-spec" if draft else "server-plain",
-                        concurrency=concurrency or 2 * parallel,
+                        concurrency=concurrency or 2 * parallel, timeout=timeout,
                     )  # fmt: skip
                     results.append(measure(eng, fs.spec, wl, seed_list, **kw))
         elif name == "speculative-example":
-            ex = ExampleEngine(bins().speculative, fs.target, fs.draft, fs.spec, wl, jobs=jobs)
+            b = bins()
+            ex = ExampleEngine(
+                b.speculative, fs.target, fs.draft, fs.spec, wl, jobs=jobs,
+                label=_with_patches("llama-speculative", b),
+            )  # fmt: skip
             results.append(measure(ex, fs.spec, wl, seed_list, **kw))
         else:
             assert url is not None
-            eng = ServerEngine(url, fs.spec, wl, concurrency=concurrency)
+            eng = ServerEngine(url, fs.spec, wl, concurrency=concurrency, timeout=timeout)
             results.append(measure(eng, fs.spec, wl, seed_list, **kw))
     out = DistResult(
         fixture=fs.spec.name,
@@ -257,8 +402,13 @@ def run(
 
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "DRAFT_SAMPLING",
     "ENGINES",
+    "MAX_CONCURRENCY",
+    "MAX_JOBS",
     "MAX_JOINT",
+    "MAX_PARALLEL",
     "MIN_TOKENS",
     "load_fixture",
     "make_workload",

@@ -1,15 +1,17 @@
 """Sequential analysis: stop as soon as the evidence is decisive.
 
 An anytime-valid e-process decides BROKEN; alpha-spending TV bounds at looks 25, 50, 100, ...
-samples decide PRESERVED.
+samples decide PRESERVED. Memory is bounded whatever the number of samples: the e-process and
+one count per (position, token) are all that is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from specaudit import fixtures, stats
-from specaudit.dist.analysis import position_tv
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
@@ -51,7 +53,8 @@ class Sequential:
         self.tolerance = tolerance
         self.max_samples = max_samples
         self.eproc = stats.EProcess()
-        self.texts: list[str] = []
+        # counts of each token at each tested position (the TV bounds' data)
+        self.counts = np.zeros((workload.positions, len(truth.labels)), dtype=np.int64)
         self.looks = 0
         self.next_look = SEQUENTIAL_FIRST_LOOK
         self.tv_uppers: list[float] = []
@@ -60,12 +63,13 @@ class Sequential:
         self.used = 0
 
     def add(self, s: Sample) -> bool:
-        self.texts.append(s.text)
         for t in range(1, self.workload.positions + 1):
             p = self.truth.next(s.text[: t - 1])
-            self.eproc.update((t, stratum_key(p)), p, self.truth.index[s.text[t - 1]])
-        n = len(self.texts)
-        self.used = n
+            tok = self.truth.index[s.text[t - 1]]
+            self.eproc.update((t, stratum_key(p)), p, tok)
+            self.counts[t - 1, tok] += 1
+        self.used += 1
+        n = self.used
         if self.eproc.rejects(self.alpha):
             self.verdict, self.decided_by = Verdict.BROKEN, "e-value"
             return True
@@ -74,7 +78,7 @@ class Sequential:
             self.next_look *= 2
             a = stats.alpha_spending(self.looks, self.alpha)
             self.tv_uppers = [
-                position_tv(self.truth, self.texts, t, a).upper
+                stats.tv_interval(self.counts[t - 1], self.truth.marginal(t), a).upper
                 for t in range(1, self.workload.positions + 1)
             ]
             if all(u <= self.tolerance for u in self.tv_uppers):

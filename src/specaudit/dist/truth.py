@@ -49,28 +49,36 @@ class Truth:
     def marginal(self, t: int) -> np.ndarray:
         """True distribution of the token at position t (1-based), averaged over prefixes.
 
-        A forward pass whose state is the last generated letter: a fixture's logits depend on
-        the last token only (see `specaudit.fixtures`), so that letter is all the past it sees.
+        A forward pass over the fixture's state (`FixtureSpec.state_key`): for the last-token
+        kind the last letter is all the past its logits see, so prefixes ending alike are
+        merged (at most one state per letter); for the context kind every generated prefix
+        is its own state (the fixtures are tiny and positions few: at most
+        letters^(t-1) of them, far fewer under top-k).
         """
         cached = self._marginals.get(t)
         if cached is not None:
             return cached
-        state: dict[str, float] = {"": 1.0}
+        prompt = self.workload.prompt
+        # state key -> (a generated prefix with that state, its probability)
+        state: dict[str, tuple[str, float]] = {self.spec.state_key(prompt): ("", 1.0)}
         letters = set(self.spec.letters)
         for _ in range(t - 1):
-            nxt: dict[str, float] = {}
-            for last, w in state.items():
-                for j, q in enumerate(self.next(last)):
+            nxt: dict[str, tuple[str, float]] = {}
+            for prefix, w in state.values():
+                for j, q in enumerate(self.next(prefix)):
                     if q <= 0:
                         continue
                     tok = self.labels[j]
                     if tok not in letters:
                         raise DistError(f"special token {tok!r} is possible: generation may stop")
-                    nxt[tok] = nxt.get(tok, 0.0) + w * float(q)
+                    longer = prefix + tok
+                    key = self.spec.state_key(prompt + longer)
+                    rep, acc = nxt.get(key, (longer, 0.0))
+                    nxt[key] = (rep, acc + w * float(q))
             state = nxt
         out = np.zeros(len(self.labels))
-        for last, w in state.items():
-            out += w * self.next(last)
+        for prefix, w in state.values():
+            out += w * self.next(prefix)
         self._marginals[t] = out
         return out
 

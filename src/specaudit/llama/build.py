@@ -9,7 +9,11 @@ Why this shape:
   built directory that already holds its ``complete.json`` marker, so an interrupted or failed
   build can't leave something that looks complete.
 - The variant is ``stock`` or ``<patch>-<sha12>`` where sha12 hashes the patch bytes: a patched
-  server gets its own entry, and editing the patch gets a new one.
+  server gets its own entry, and editing the patch gets a new one. A patch is a bundled name
+  (``spec-logprobs``), a bundled mutant (``mutants/<name>``: deliberately broken speculative
+  decoding, for measuring the verifier's power, never listed by `available_patches`), or a
+  path to a ``.patch`` file (variant ``<stem>-<sha12>``; its bytes are copied into the cache
+  first, so editing the file mid-build cannot change what an entry claims to hold).
 - The cmake work tree (``llama/work/b<N>``) is kept, so a patched variant after a stock build
   is an incremental rebuild (seconds), not another cold build (minutes).
 - Because that tree is shared, an entry's variant is proven from bytes, not from a record: the
@@ -98,12 +102,41 @@ class LlamaBinaries:
 # patches
 
 
+MUTANTS = "mutants"  # bundled mutants live in <patch dir>/mutants/, addressed "mutants/<name>"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAX_LABEL = 64
+
+
 def available_patches(build: int = DEFAULT_BUILD) -> list[str]:
-    """Names of the patches specaudit ships for `build` (file stem of ``<name>.patch``)."""
+    """Names of the patches specaudit ships for `build` (file stem of ``<name>.patch``).
+
+    Mutants are not among them (see `available_mutants`): everything listed here is meant to
+    be built and used (./run builds each one).
+    """
     d = _patch_dir(build)
     if d is None:
         return []
     return sorted(p.name[: -len(".patch")] for p in d.iterdir() if p.name.endswith(".patch"))
+
+
+def available_mutants(build: int = DEFAULT_BUILD) -> list[str]:
+    """Addresses (``mutants/<name>``) of the bundled mutants of `build`'s speculative path.
+
+    Each is a small, deliberately wrong change to llama.cpp (docs/mutants.md); build one with
+    ``ensure(patches=("mutants/<name>",))`` to measure whether `specaudit dist` catches it.
+    """
+    d = _patch_dir(build)
+    md = d / MUTANTS if d is not None else None
+    if md is None or not md.is_dir():
+        return []
+    return sorted(
+        f"{MUTANTS}/{p.name[: -len('.patch')]}" for p in md.iterdir() if p.name.endswith(".patch")
+    )
+
+
+def is_patch_file(spec: str) -> bool:
+    """Whether a patch argument names a file (``*.patch``) rather than a bundled patch."""
+    return spec.endswith(".patch")
 
 
 def _patch_dir(build: int) -> Path | None:
@@ -113,12 +146,92 @@ def _patch_dir(build: int) -> Path | None:
 
 
 def patch_path(name: str, build: int = DEFAULT_BUILD) -> Path:
+    """The file of a patch: a bundled name, ``mutants/<name>``, or a path to a ``.patch``."""
+    if is_patch_file(name):
+        p = Path(name).expanduser()
+        try:
+            ok = p.is_file()
+        except (OSError, ValueError):  # e.g. a NUL byte, a name too long
+            ok = False
+        if not ok:
+            raise BuildError(f"patch file {_shown(name)} not found (or not a regular file)")
+        return p
     d = _patch_dir(build)
-    p = d / f"{name}.patch" if d else None
-    if p is None or not p.is_file():
-        have = ", ".join(available_patches(build)) or "none"
-        raise BuildError(f"no patch {name!r} for build b{build} (available: {have})")
-    return p
+    mutant = name.startswith(MUTANTS + "/")
+    stem = name[len(MUTANTS) + 1 :] if mutant else name
+    if d is not None and _NAME.fullmatch(stem):
+        p = d / MUTANTS / f"{stem}.patch" if mutant else d / f"{stem}.patch"
+        if p.is_file():
+            return p
+    if mutant:
+        have = ", ".join(available_mutants(build)) or "none"
+        raise BuildError(f"no mutant {_shown(name)} for build b{build} (available: {have})")
+    have = ", ".join(available_patches(build)) or "none"
+    raise BuildError(
+        f"no patch {_shown(name)} for build b{build} (available: {have}; "
+        "or a path to a .patch file)"
+    )
+
+
+def _shown(name: str) -> str:
+    """`name` for a one-line message: at most ~80 characters (a path keeps its end)."""
+    if len(name) <= 80:
+        return repr(name)
+    return "..." + repr(name[-60:]) if is_patch_file(name) else repr(name[:60]) + "..."
+
+
+def _display(spec: str) -> str:
+    """A patch as error messages name it: its name, or a file's name (not its cache copy)."""
+    return Path(spec).name if is_patch_file(spec) else spec
+
+
+def check_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
+    """`spec` checked (BuildError if there is no such patch), a file as an absolute path."""
+    p = patch_path(spec, build)
+    return str(p.resolve()) if is_patch_file(spec) else spec
+
+
+def patch_label(spec: str) -> str:
+    """The part of a variant name a patch contributes: its name, ``mutant-<name>``, or a
+    file's stem (characters outside ``[A-Za-z0-9._-]`` replaced, at most 64)."""
+    if is_patch_file(spec):
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(spec).name[: -len(".patch")])
+        return (stem.lstrip(".-") or "patch")[:_MAX_LABEL]
+    if spec.startswith(MUTANTS + "/"):
+        return "mutant-" + spec[len(MUTANTS) + 1 :]
+    return spec
+
+
+def describe_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
+    """The patch's one-line description: its first ``# `` comment line before the diff."""
+    for line in patch_path(spec, build).read_text(errors="replace").splitlines():
+        if line.startswith(("--- ", "diff ", "Index: ")):
+            break
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+    return ""
+
+
+def resolve_patches(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> tuple[str, ...]:
+    """`patches` as the cache handles them: bundled names checked, each patch file replaced by
+    an immutable copy in the cache (``llama/patches/<sha16>/<file>``), keyed by its bytes."""
+    out = []
+    for spec in patches:
+        p = patch_path(spec, build)
+        if not is_patch_file(spec):
+            out.append(spec)
+            continue
+        data = p.read_bytes()
+        copy = llama_dir() / "patches" / hashlib.sha256(data).hexdigest()[:16]
+        copy = copy / f"{patch_label(spec)}.patch"
+        try:
+            same = copy.read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            _write_atomic(copy, data, 0o644)
+        out.append(str(copy))
+    return tuple(out)
 
 
 def variant_name(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> str:
@@ -126,8 +239,11 @@ def variant_name(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> str:
         return "stock"
     h = hashlib.sha256()
     for name in patches:
-        h.update(name.encode() + b"\0" + patch_path(name, build).read_bytes())
-    return "+".join(patches) + "-" + h.hexdigest()[:12]
+        # a bundled patch is keyed by its name (unchanged since the first cache), a file by the
+        # label its stem gives: the same bytes under the same name are the same variant
+        key = patch_label(name) if is_patch_file(name) else name
+        h.update(key.encode() + b"\0" + patch_path(name, build).read_bytes())
+    return "+".join(patch_label(p) for p in patches) + "-" + h.hexdigest()[:12]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +281,7 @@ def find(build: int = DEFAULT_BUILD, patches: tuple[str, ...] = ()) -> LlamaBina
         ext = _external()
         if ext is not None:
             return ext
+    patches = resolve_patches(tuple(patches), build)
     b = _entry(build, patches)
     if b is None or not all((b.bin_dir / t).is_file() for t in TARGETS):
         return None
@@ -177,7 +294,12 @@ def ensure(
     jobs: int | None = None,
     progress: ProgressFn | None = None,
 ) -> LlamaBinaries:
-    """Cached binaries for (build, patches), building them first if needed."""
+    """Cached binaries for (build, patches), building them first if needed.
+
+    `patches`: bundled names, ``mutants/<name>`` (see `available_mutants`) or paths to
+    ``.patch`` files, applied in order.
+    """
+    patches = resolve_patches(tuple(patches), build)
     found = find(build, patches)
     if found is not None:
         return found
@@ -358,16 +480,21 @@ def _pristine(build: int, relpath: str) -> bytes:
 
 def _patch_files(name: str, build: int) -> set[str]:
     """Files patch `name` creates, edits or deletes (relative to the llama.cpp tree)."""
-    files = set(_DIFF_FILE.findall(patch_path(name, build).read_text()))
+    files = set(_DIFF_FILE.findall(patch_path(name, build).read_text(errors="replace")))
+    if not files:
+        raise BuildError(f"patch {_display(name)} touches no file (not a unified diff?)")
     for rel in files:
         if rel.startswith("/") or ".." in Path(rel).parts:
-            raise BuildError(f"patch {name} touches a path outside the source tree: {rel}")
+            raise BuildError(
+                f"patch {_display(name)} touches a path outside the source tree: {rel}"
+            )
     return files
 
 
 def _all_patch_files(build: int) -> set[str]:
+    """Files any bundled patch or mutant touches: checked (and restored) on every build."""
     out: set[str] = set()
-    for name in available_patches(build):
+    for name in available_patches(build) + available_mutants(build):
         out |= _patch_files(name, build)
     return out
 
@@ -403,9 +530,8 @@ def _variant_sources(
             if r.returncode != 0:
                 out = (r.stdout + r.stderr).strip().splitlines()
                 bad = [ln for ln in out if "FAILED" in ln or "can't find" in ln.lower()]
-                raise BuildError(
-                    f"patch {name} does not apply to b{build}: {(bad or out or ['?'])[-1]}"
-                )
+                why = (bad or out or ["?"])[-1]
+                raise BuildError(f"patch {_display(name)} does not apply to b{build}: {why}")
         return {rel: (tmp / rel).read_bytes() if (tmp / rel).is_file() else None for rel in rels}
 
 
@@ -497,6 +623,30 @@ def _tree_hashes(src: Path, rels: set[str]) -> dict[str, str | None]:
     )
 
 
+def _written_since_unpack(src: Path) -> set[str]:
+    """Source files (not under build/) written after the tree was unpacked.
+
+    Unpacking keeps the sdist's mtimes and every rewrite creates a new file, so these are the
+    files any patch (bundled or a user's .patch file touching anything) may have changed: what
+    an unreadable state record must not make us forget. Milliseconds for ~4000 files.
+    """
+    try:
+        since = (src.parent / "unpacked").stat().st_mtime
+    except OSError:
+        return set()
+    out: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(src):
+        here = Path(dirpath)
+        if here == src:
+            dirnames[:] = [d for d in dirnames if d != "build"]
+        for f in filenames:
+            path = here / f
+            with contextlib.suppress(OSError):
+                if path.lstat().st_mtime >= since and path.is_file():
+                    out.add(path.relative_to(src).as_posix())
+    return out
+
+
 def _strays(src: Path, rels: set[str]) -> list[Path]:
     """Backup and reject files patch(1) left next to `rels` (the pre-D14 code applied in place)."""
     return [p for rel in rels for ext in (".orig", ".rej") if (p := src / (rel + ext)).exists()]
@@ -540,6 +690,8 @@ def _set_patches(build: int, src: Path, patches: tuple[str, ...]) -> dict[str, s
     for name in patches:
         touched |= _patch_files(name, build)
     rels = _all_patch_files(build) | recorded | touched
+    if variant == "dirty":  # the record may have lost a patch file's files: scan the tree
+        rels |= _written_since_unpack(src)
     try:
         expected = _expected_hashes(build, patches, rels)
         clean = variant == want and not _strays(src, rels)

@@ -17,7 +17,7 @@ from pathlib import Path
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
-MODELS = ("fixture", "gemma")
+MODELS = ("fixture", "fixture-context", "gemma")
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 DEFAULT_SPEC_TYPE = "draft-simple"
@@ -30,13 +30,21 @@ class Policy:
     parallel: int  # slots (-np)
     ctx_per_slot: int  # tokens of context each slot gets (-c is parallel x this)
     threads: int | None  # -t; None: llama-server's default
+    args: tuple[str, ...] = ()  # more llama-server arguments, after -t
 
 
 # One thread per fixture server: a tiny model gains nothing from more, and with several
 # servers on few cores extra threads cost 2-6x throughput. The fixture's context is 256 tokens
 # (fixtures.FixtureConfig.context_length); the server caps a slot there anyway.
+# The context fixture (fixtures.context_spec) sees its whole context through attention: an f32
+# KV cache keeps llama.cpp's logits within float32 rounding of the closed form whether flash
+# attention is on (the default on CPU; K and V are cast to f16, exact for that fixture) or off
+# (then an f16 V cache would round the attention weights 1/n, moving probabilities ~1e-4).
 POLICIES = {
     "fixture": Policy(parallel=4, ctx_per_slot=256, threads=1),
+    "fixture-context": Policy(
+        parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
+    ),
     "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
 }
 
@@ -46,7 +54,7 @@ class Preset:
     """A named server role."""
 
     name: str
-    model: str  # "fixture" or "gemma"
+    model: str  # "fixture", "fixture-context" or "gemma" (a POLICIES key)
     speculative: bool
     variant: str = "stock"  # or "patched"
     spec_type: str = DEFAULT_SPEC_TYPE
@@ -69,6 +77,8 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("fixture-plain", "fixture", False),
         Preset("fixture-spec", "fixture", True),
+        Preset("fixture-context-plain", "fixture-context", False),
+        Preset("fixture-context-spec", "fixture-context", True),
         Preset("gemma-plain", "gemma", False),
         Preset("gemma-spec", "gemma", True),
         Preset("fixture-spec-patched", "fixture", True, "patched"),
@@ -98,9 +108,10 @@ def server(
     name: str = "llama-server",
     extra_args: Sequence[str] = (),
 ) -> LlamaServer:
-    """A `LlamaServer` (not started) sized by the `kind` ("fixture"/"gemma") policy; `parallel`
-    and `ctx_per_slot` override it for workloads that need other sizes; `extra_args` are
-    appended after the policy's own arguments."""
+    """A `LlamaServer` (not started) sized by the `kind` (a `POLICIES` key: "fixture",
+    "fixture-context", "gemma") policy; `parallel` and `ctx_per_slot` override it for
+    workloads that need other sizes; `extra_args` are appended after the policy's own
+    arguments."""
     pol = POLICIES[kind]
     n_par = parallel or pol.parallel
     per_slot = ctx_per_slot or pol.ctx_per_slot
@@ -111,7 +122,7 @@ def server(
         spec_type=spec_type or None,
         parallel=n_par,
         ctx_size=n_par * per_slot,
-        extra_args=[*(["-t", str(pol.threads)] if pol.threads else []), *extra_args],
+        extra_args=[*(["-t", str(pol.threads)] if pol.threads else []), *pol.args, *extra_args],
         log_path=log_path,
         name=name,
     )

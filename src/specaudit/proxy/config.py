@@ -78,7 +78,10 @@ class ProxyConfig:
 
 def backend_url(url: str, role: str = "backend") -> str:
     """A backend base URL: http(s), a host, an optional path prefix; no credentials or query."""
-    u = urlsplit(url.strip())
+    try:
+        u = urlsplit(url.strip())
+    except ValueError as e:  # e.g. "http://[::1": an unclosed IPv6 literal
+        raise ProxyError(f"{role} URL cannot be parsed: {url!r} ({e})") from None
     if u.scheme not in ("http", "https"):
         raise ProxyError(f"{role} URL must start with http:// or https://, got {url!r}")
     if not u.hostname:
