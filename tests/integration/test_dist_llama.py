@@ -101,17 +101,54 @@ def test_cli_url_engine_json_and_plot(
 
 
 def test_audit_section(audit_ctx: audit.AuditContext) -> None:
+    """Both fixtures on every path (plain, greedy, rejection, ngram), and llama-speculative:
+    stock llama-server PRESERVED on every path at the default 1000 seeds; every speculating
+    path really drafted; the example BROKEN; the paths no fixture covers listed."""
     sec = dist_section.section(audit_ctx)
+    for key in ("dist", "dist_context"):  # last-token, context
+        res = sec.data[key]
+        servers = [e for e in res.engines if e.path is not None]
+        assert [e.path for e in servers] == list(dist.PATHS), key
+        for e in servers:
+            assert e.verdict is Verdict.PRESERVED, (key, e.path, e.reason)
+            assert e.n_samples == 1000
+            if e.path == "plain":
+                assert e.drafted is None
+            else:  # speculation on this path really happened
+                assert e.drafted is not None and e.drafted > 0, (key, e.path)
+                assert e.accepted is not None and 0 < e.accepted <= e.drafted, (key, e.path)
+        assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
     res = sec.data["dist"]
-    verdicts = {e.kind: e.verdict for e in res.engines}
-    assert verdicts == {
-        "server-plain": Verdict.PRESERVED,
-        "server-spec": Verdict.PRESERVED,
-        "speculative-example": Verdict.BROKEN,
-    }
+    example = [e for e in res.engines if e.kind == "speculative-example"]
+    assert len(example) == 1 and example[0].verdict is Verdict.BROKEN
+    assert not any(e.kind == "speculative-example" for e in sec.data["dist_context"].engines)
     assert sec.status == "finding"
-    assert sec.plots and sec.plots[0].is_file()
+    assert len(sec.plots) == 2 and all(p.is_file() for p in sec.plots)
     assert "drafted" in sec.markdown and "p (Holm)" in sec.markdown
+    assert "| rejected |" in sec.markdown and "Not covered" in sec.markdown
+    for path in dist.PATHS:
+        assert f"| {path} |" in sec.markdown
+
+
+def test_dist_run_server_every_path(
+    llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    """`dist.run(["server"])`: one llama-server per path, each row labelled with its path."""
+    res = dist.run(["server"], fixture=fixture_set, binaries=llama_bins, work_dir=tmp_path)
+    assert [e.path for e in res.engines] == list(dist.PATHS)
+    by_path = {e.path: e for e in res.engines}
+    for e in res.engines:
+        assert e.verdict is Verdict.PRESERVED, (e.path, e.reason)
+    assert by_path["plain"].drafted is None
+    for p in ("greedy", "rejection", "ngram"):
+        e = by_path[p]
+        assert e.drafted is not None and e.drafted > 0 and dist.rejected(e) is not None, p
+    # the rejection sampler accepts far more than sample-and-match (2257/1493 vs 2637/946)
+    rej, greedy = by_path["rejection"], by_path["greedy"]
+    assert rej.accepted is not None and greedy.accepted is not None and rej.drafted
+    assert rej.accepted / rej.drafted > greedy.accepted / (greedy.drafted or 1)
+    assert (tmp_path / "dist-ngram.log").is_file()
+    assert res.not_covered and "mtp" in {p for p, _ in res.not_covered}
 
 
 # --------------------------------------------------------------------------------------------

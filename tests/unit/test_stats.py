@@ -313,4 +313,5 @@ def test_verdicts_map_onto_the_shared_outcomes() -> None:
     assert Verdict.PRESERVED.outcome is Outcome.OK
     assert Verdict.BROKEN.outcome is Outcome.FINDING
     assert Verdict.INCONCLUSIVE.outcome is Outcome.NO_DECISION
-    assert [v.outcome.exit_code for v in Verdict] == [0, 1, 2]
+    assert Verdict.WITHIN_TOLERANCE.outcome is Outcome.OK
+    assert [v.outcome.exit_code for v in Verdict] == [0, 1, 2, 0]

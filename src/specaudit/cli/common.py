@@ -16,7 +16,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,12 +36,15 @@ __all__ = [
     "URL",
     "WRITABLE_DIR",
     "WRITABLE_FILE",
+    "FIXTURE_KINDS",
     "FiniteFloat",
     "SafePath",
     "build_progress",
+    "choice_option",
     "console",
     "emit_json",
     "ensure_binaries",
+    "fixture_kind_option",
     "json_option",
     "out",
     "prompt_option",
@@ -204,6 +207,49 @@ def timeout_option(*, default: float, help: str = "Seconds per request.") -> Cal
         default=default,
         show_default=True,
         help=f"{help} (0 < S <= {MAX_TIMEOUT:g})",
+    )
+
+
+def choice_option(
+    *names: str,
+    choices: Sequence[str],
+    param: str | None = None,
+    multiple: bool = False,
+    default: str | None = None,
+    help: str,
+) -> Callable[[FC], FC]:
+    """``--NAME CHOICE``: one of `choices` (exact, case-sensitive), checked before the command
+    runs; `multiple`: repeatable, passed as a tuple; `param`: the command's parameter name."""
+    return click.option(
+        *names,
+        *([param] if param else []),
+        type=click.Choice(tuple(choices)),
+        multiple=multiple,
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+# `specaudit.fixtures.KINDS`, spelled out here: that module imports numpy, and `--help` must
+# not (tests/unit/test_cli_dist_paths.py checks they agree).
+FIXTURE_KINDS = ("last-token", "context")
+FIXTURE_KIND_HELP = (
+    "Fixture kind: last-token (each token's distribution depends on the previous token only) "
+    "or context (on the whole context, through attention)."
+)
+
+
+def fixture_kind_option(
+    *names: str, default: str | None = None, help: str = FIXTURE_KIND_HELP
+) -> Callable[[FC], FC]:
+    """``--fixture-kind KIND`` (or `names`): a `FIXTURE_KINDS` value."""
+    return choice_option(
+        *(names or ("--fixture-kind",)),
+        param="fixture_kind",
+        choices=FIXTURE_KINDS,
+        default=default,
+        help=help,
     )
 
 

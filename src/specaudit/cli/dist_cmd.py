@@ -14,9 +14,11 @@ from specaudit.cli.common import (
     WRITABLE_FILE,
     FiniteFloat,
     SafePath,
+    choice_option,
     console,
     emit_json,
     ensure_binaries,
+    fixture_kind_option,
     json_option,
     out,
     prompt_option,
@@ -29,10 +31,20 @@ from specaudit.cli.common import (
 from specaudit.outcome import EXIT_TAIL_HELP, Outcome
 from specaudit.validate import MAX_INT32
 
+PATHS_HELP = (
+    "\b\nVerification paths (--engine server runs one llama-server per path, --path picks):\n"
+    + "".join(f"  {p:<10} {dist.PATH_HELP[p]}\n" for p in dist.PATHS)
+    + "  Not covered, listed under every result with the reason (docs/dist.md):\n  "
+    + ", ".join(name for name, _ in dist.NOT_COVERED)
+    + ".\n\n"
+)
+
 DIST_EXIT_HELP = (
     "\b\nExit codes:\n"
-    "  0  PRESERVED: every engine samples from the target distribution (within --tolerance)\n"
-    "  1  BROKEN: an engine's samples contradict the target distribution\n"
+    "  0  PRESERVED (or, --sequential, WITHIN TOLERANCE): every engine's prefix-averaged\n"
+    "     next-token TV and joint TV are certified below --tolerance\n"
+    "  1  BROKEN: an engine's samples contradict the target distribution, or hold a token\n"
+    "     the fixture forbids (a wrong letter, EOS, a special token, a short output)\n"
     "  2  INCONCLUSIVE (more samples needed), or no decision: bad input, missing or corrupt\n"
     "     fixture, unreachable server, failed build\n" + EXIT_TAIL_HELP
 )
@@ -65,7 +77,8 @@ def render(res: dist.DistResult) -> None:
         out.print()
         out.print(
             f"[bold]{e.engine}[/bold]: [{colours[e.verdict.outcome]}]{e.verdict.value}[/] "
-            f"(seeds {e.first_seed}..{e.last_seed}, {e.n_samples} samples"
+            f"({f'path {e.path}, ' if e.path else ''}"
+            f"seeds {e.first_seed}..{e.last_seed}, {e.n_samples} samples"
             + (f", {dist.draft_cell(e)}" if e.drafted is not None else "")
             + f", {e.samples_per_s:.0f} samples/s)",
             highlight=False,
@@ -82,6 +95,12 @@ def render(res: dist.DistResult) -> None:
         out.print(_table("tests" + note, dist.TEST_HEADERS, dist.test_rows(e)))
     out.print()
     out.print(_table("summary", dist.SUMMARY_HEADERS, dist.summary_rows(res)))
+    if any(e.path for e in res.engines):
+        out.print(_table("verification paths", dist.PATH_HEADERS, dist.path_rows(res)))
+    if res.not_covered:
+        out.print("not covered:", highlight=False)
+        for name, why in res.not_covered:
+            out.print(f"  {name}: {why}", highlight=False)
     if res.plot is not None:
         out.print(f"plot: {res.plot}", highlight=False)
 
@@ -99,14 +118,15 @@ def _known_patches(
         raise click.BadParameter(str(e), ctx, param) from None
 
 
-@click.command("dist", epilog=DIST_EXIT_HELP)
+@click.command("dist", epilog=PATHS_HELP + DIST_EXIT_HELP)
 @click.option(
     "--engine",
     "engines",
     type=click.Choice(dist.ENGINES),
     multiple=True,
     help="Engine(s) to test, repeatable [default: server and speculative-example]. server: "
-    "llama-server spawned on the fixture without and with a draft model; speculative-example: "
+    "llama-servers spawned on the fixture, one per verification path (--path); "
+    "speculative-example: "
     "llama.cpp's llama-speculative, one process per seed; url: a running server (--url).",
 )
 @click.option(
@@ -117,7 +137,22 @@ def _known_patches(
     "fixture_dir",
     type=SafePath(),
     help="Fixture directory from `specaudit fixtures build` (SHA-256 checked) "
-    "[default: the built-in fixture, built fresh].",
+    "[default: the built-in fixture of --fixture-kind, built fresh].",
+)
+@fixture_kind_option(
+    help="Built-in fixture: last-token (the report's; each next-token distribution depends on "
+    "the previous token) or context (on the whole context, through attention) [default: "
+    "last-token]. With --fixture, that fixture must be of this kind.",
+)
+@choice_option(
+    "--path",
+    param="paths",
+    choices=dist.PATHS,
+    multiple=True,
+    help="Verification path(s) of --engine server, repeatable [default: all; rejection only "
+    "at --temperature > 0]: plain (no draft), greedy (draft, sample-and-match), rejection "
+    "(--spec-draft-sampling probabilistic: rejection sampling), ngram (ngram-mod, no draft "
+    "model).",
 )
 @prompt_option(default=None, help="Prompt, in the fixture's letters [default: the fixture's].")
 @tokens_option(
@@ -157,7 +192,8 @@ def _known_patches(
     type=FiniteFloat(0, 1, min_open=True),
     default=dist.DEFAULT_TOLERANCE,
     show_default=True,
-    help="PRESERVED needs the data to rule out a larger next-token TV distance at every position.",
+    help="PRESERVED needs the data to rule out a larger prefix-averaged next-token TV at every "
+    "position and a larger joint TV.",
 )
 @click.option(
     "--sequential",
@@ -187,7 +223,8 @@ def _known_patches(
     "patches",
     multiple=True,
     callback=_known_patches,
-    help="Run the server and speculative-example engines on llama.cpp built with this patch: "
+    help="Run the server engine (every --path) and speculative-example on llama.cpp built "
+    "with this patch: "
     "one shipped with specaudit (spec-logprobs), a mutant (mutants/NAME, docs/mutants.md), or a "
     "path to a .patch file. Repeatable.",
 )
@@ -202,6 +239,8 @@ def command(
     engines: tuple[str, ...],
     url: str | None,
     fixture_dir: Path | None,
+    fixture_kind: str | None,
+    paths: tuple[str, ...],
     prompt: str | None,
     tokens: int,
     positions: int | None,
@@ -230,7 +269,8 @@ def command(
     every position conditionally on its prefix, and the joint of the first positions, with
     G-tests (exact or Monte-Carlo when counts are small), Holm correction, and TV distances
     with confidence intervals. Reproduces the field report: llama-server keeps the
-    distribution with and without a draft; llama-speculative does not.
+    distribution with and without a draft, on every verification path; llama-speculative
+    does not.
     """
     if engines == ():
         engines = ("url",) if url else ("server", "speculative-example")
@@ -259,9 +299,13 @@ def command(
         jobs=jobs,
         timeout=timeout,
         plot=plot,
+        fixture_kind=fixture_kind,
     )
     if patches and not dist.needs_binaries(engines):
         raise dist.DistError("--patch applies to the server and speculative-example engines only")
+    if paths and "server" not in engines:
+        raise dist.DistError("--path applies to the server engine only")
+    dist.check_paths(paths or None, temperature)
     bins = ensure_binaries(patches=patches) if dist.needs_binaries(engines) else None
     # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
     with progress.bars(console=console) as bars:
@@ -290,6 +334,8 @@ def command(
             plot=plot,
             progress=cb,
             timeout=timeout,
+            fixture_kind=fixture_kind,
+            paths=paths or None,
         )
     if as_json:
         emit_json(res)
@@ -298,6 +344,8 @@ def command(
     else:
         # Off a terminal rich would squeeze the tables into 80 columns: print Markdown.
         click.echo(dist.to_markdown(res))
+        if any(e.path for e in res.engines) or res.not_covered:
+            click.echo("\n" + dist.paths_markdown(res))
         if res.plot is not None:
             click.echo(f"\nplot: {res.plot}")
     raise SystemExit(res.exit_code)  # PRESERVED 0, BROKEN 1, INCONCLUSIVE 2

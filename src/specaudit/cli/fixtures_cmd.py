@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specaudit.cli.common import WRITABLE_DIR, emit_json, json_option, out
+from specaudit.cli.common import WRITABLE_DIR, emit_json, fixture_kind_option, json_option, out
 from specaudit.outcome import EXIT_CODES_HELP
 
 
@@ -17,16 +17,25 @@ def command() -> None:
 
 @command.command("build", epilog=EXIT_CODES_HELP)
 @click.argument("directory", type=WRITABLE_DIR)
+@fixture_kind_option(
+    "--kind",
+    default="last-token",
+    help="Which fixture: last-token (each next-token distribution depends on the previous "
+    "token only: `dist`'s default) or context (on the whole context, through attention: "
+    "`dist --fixture-kind context`).",
+)
 @json_option
-def build_cmd(directory: Path, as_json: bool) -> None:
+def build_cmd(directory: Path, fixture_kind: str, as_json: bool) -> None:
     """Write target.gguf, draft.gguf and manifest.json (with SHA-256s) into DIRECTORY."""
     from specaudit import fixtures
 
-    fs = fixtures.build(directory)
+    fs = fixtures.build(directory, kind=fixture_kind)  # type: ignore[arg-type]
     if as_json:
         emit_json(
             {
                 "dir": fs.dir,
+                "kind": fs.spec.kind,
+                "name": fs.spec.name,
                 "target": fs.target,
                 "draft": fs.draft,
                 "manifest": fs.manifest,
@@ -36,4 +45,4 @@ def build_cmd(directory: Path, as_json: bool) -> None:
         return
     for name, sha in fs.sha256.items():
         out.print(f"{name}  {sha}", highlight=False)
-    out.print(f"manifest: {fs.manifest}", highlight=False)
+    out.print(f"manifest: {fs.manifest} ({fs.spec.kind} fixture {fs.spec.name})", highlight=False)

@@ -15,18 +15,31 @@ What is tested, for each engine:
 - `sequential=True` instead stops as soon as the evidence is decisive, using an anytime-valid
   e-process (BROKEN) and alpha-spending TV bounds (PRESERVED), and reports the samples used.
 
-Engines: a llama-server we spawn with and without a draft model (`server`), any
+Engines: llama-servers we spawn, one per verification path (`server`: no draft, greedy draft,
+probabilistic draft / rejection sampling, ngram-mod; `coverage`), any
 llama-server-compatible URL (`url`), and llama.cpp's `llama-speculative` example program run
 once per seed (`speculative-example`). See docs/dist.md.
 
 Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
 closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
 stopping), `engines` (what produces samples), `driver` (sampling an engine, `measure`),
-`runner` (input checks, servers, `run`), `render` (tables, Markdown, the plot). The audit's
+`runner` (input checks, servers, `run`), `coverage` (the verification paths run and not
+covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
 from specaudit.dist.analysis import Tally, analyze
+from specaudit.dist.coverage import (
+    NOT_COVERED,
+    PATH_ENGINES,
+    PATH_HEADERS,
+    PATH_HELP,
+    check_paths,
+    not_covered_lines,
+    path_rows,
+    paths_markdown,
+    rejected,
+)
 from specaudit.dist.driver import collect, measure, measure_async
 from specaudit.dist.engines import (
     EXAMPLE_RETRIES,
@@ -72,6 +85,7 @@ from specaudit.dist.runner import (
     MAX_JOINT,
     MAX_PARALLEL,
     MIN_TOKENS,
+    PATHS,
     load_fixture,
     make_workload,
     needs_binaries,
@@ -95,6 +109,11 @@ __all__ = [
     "MAX_JOINT",
     "MAX_PARALLEL",
     "MIN_TOKENS",
+    "NOT_COVERED",
+    "PATHS",
+    "PATH_ENGINES",
+    "PATH_HEADERS",
+    "PATH_HELP",
     "SAMPLER_CHAIN",
     "SEQUENTIAL_FIRST_LOOK",
     "SUMMARY_HEADERS",
@@ -116,6 +135,7 @@ __all__ = [
     "Truth",
     "Workload",
     "analyze",
+    "check_paths",
     "collect",
     "context_rows",
     "draft_cell",
@@ -125,8 +145,12 @@ __all__ = [
     "measure",
     "measure_async",
     "needs_binaries",
+    "not_covered_lines",
     "parse_example_output",
+    "path_rows",
+    "paths_markdown",
     "plot_results",
+    "rejected",
     "replay_sequential",
     "run",
     "spawn_server",

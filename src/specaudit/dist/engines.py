@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from specaudit import fixtures, speculation
 from specaudit.client import AsyncClient, Client, ClientError
 from specaudit.dist.results import DistError, Sample, Workload
-from specaudit.dist.truth import check_text
+from specaudit.dist.truth import encode_ids, encode_text
 
 # The closed form models this chain (fixtures.SamplerSettings); sent explicitly so a server's
 # own defaults (penalties, DRY, XTC, another order) cannot change what is sampled.
@@ -69,6 +69,9 @@ class ServerEngine:
             "dynatemp_range": 0.0,
             "mirostat": 0,
             "n_probs": 0,
+            # the generated ids: a special token (BOS/UNK render as nothing in `content`) or EOS
+            # is then seen where it was sampled, not as a shorter text
+            "return_tokens": True,
         }
 
     def body(self, seed: int) -> dict[str, Any]:
@@ -80,7 +83,7 @@ class ServerEngine:
         text = r.get("content")
         if not isinstance(text, str):
             raise DistError(f"{self.label}: /completion answered without a 'content' string")
-        check_text(text, self.workload.tokens, self.spec, self.label)
+        text = self.outcomes(text, r.get("tokens"))
         tm_raw = r.get("timings")
         tm: dict[str, Any] = tm_raw if isinstance(tm_raw, dict) else {}
         dn, da = tm.get("draft_n"), tm.get("draft_n_accepted")
@@ -90,6 +93,18 @@ class ServerEngine:
             dn if isinstance(dn, int) else None,
             da if isinstance(da, int) else None,
         )
+
+    def outcomes(self, content: str, ids: Any) -> str:
+        """The sample's outcomes (`truth.encode_text`): from the generated token ids when the
+        server returned them (`return_tokens`), else from `content`. A short or non-letter
+        output is kept, as outcomes of probability 0: the analysis calls it BROKEN."""
+        if (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
+            return encode_ids(ids, self.workload.tokens, self.spec)
+        return encode_text(content, self.workload.tokens, self.spec)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -177,10 +192,11 @@ class ExampleEngine:
                     f"{tail[-1] if tail else 'no output'}"
                 )
             parsed = parse_example_output(out, err, self.workload.prompt)
-            if parsed is not None and len(parsed[0]) >= self.workload.tokens:
+            if parsed is not None:
+                # complete (closing blank lines and statistics arrived): a shorter text or one
+                # with special tokens (printed as </s>, <s>, <unk>) is what it generated
                 text, drafted, accepted = parsed
-                text = text[: self.workload.tokens]
-                check_text(text, self.workload.tokens, self.spec, self.label)
+                text = encode_text(text, self.workload.tokens, self.spec)
                 return Sample(seed, text, drafted, accepted)
             self.retries += 1
             last = out.strip()[:60]

@@ -8,8 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from specaudit.dist.results import ContextResult, DistResult, EngineResult
+from specaudit.dist.results import ContextResult, DistResult, EngineResult, TestResult
 from specaudit.stats import Verdict
+
+#: Verdict colours in plots (and for anyone drawing them): a pass green, WITHIN TOLERANCE a
+#: lighter green (certified within the tolerance, not more), BROKEN red, INCONCLUSIVE orange.
+VERDICT_COLORS = {
+    Verdict.PRESERVED: "tab:green",
+    Verdict.WITHIN_TOLERANCE: "yellowgreen",
+    Verdict.BROKEN: "tab:red",
+    Verdict.INCONCLUSIVE: "tab:orange",
+}
 
 
 def tokens_cell(ctx: ContextResult) -> str:
@@ -18,6 +27,9 @@ def tokens_cell(ctx: ContextResult) -> str:
 
 
 def test_rows(e: EngineResult) -> list[tuple[Any, ...]]:
+    """One row per test: the G (or, for the draft direction, z) statistic, p-values, the
+    descriptive TV interval (a position's marginal, the joint's), and the certified one-sided
+    bound the verdict uses (a position's prefix-averaged next-token TV, the joint's TV)."""
     return [
         (
             x.name,
@@ -28,14 +40,46 @@ def test_rows(e: EngineResult) -> list[tuple[Any, ...]]:
             x.gof.df,
             fmt_p(x.gof.p_value),
             fmt_p(x.p_holm),
-            f"{x.tv.estimate:.3f} [{x.tv.lower:.3f}, {x.tv.upper:.3f}]",
+            _tv_cell(x),
+            _bound_cell(x, e),
             "reject" if x.rejected else "-",
         )
         for x in e.tests
     ]
 
 
-TEST_HEADERS = ("test", "n", "contexts", "method", "G", "df", "p", "p (Holm)", "TV [CI]", "")
+def _tv_cell(x: TestResult) -> str:
+    if x.kind == "directed":
+        if x.gof.method == "impossible":
+            return "-"
+        return f"toward draft ~{x.tv.estimate:.3f}"
+    return f"{x.tv.estimate:.3f} [{x.tv.lower:.3f}, {x.tv.upper:.3f}]"
+
+
+def _bound_cell(x: TestResult, e: EngineResult) -> str:
+    if x.kind == "directed":
+        return power_cell(e)
+    b = x.tv_bound
+    if b is None:
+        return "-"
+    mark = "" if b.upper <= e.tolerance else " (> tol)"
+    return f"{b.estimate:.3f}, <= {b.upper:.3f}{mark}"
+
+
+def power_cell(e: EngineResult) -> str:
+    """'80% power from TV 0.031': the smallest draft leakage the directed test sees."""
+    d = e.directed
+    if d is None:
+        return "-"
+    if d.tv is None:
+        return f"{d.power:.0%} power not reached even at the draft itself"
+    return f"{d.power:.0%} power from TV {d.tv:.3f}"
+
+
+TEST_HEADERS = (
+    "test", "n", "contexts", "method", "G / z", "df", "p", "p (Holm)", "TV [CI]",
+    "certified TV (est, bound)", "",
+)  # fmt: skip
 CONTEXT_HEADERS = ("pos", "context", "n", "observed (expected)", "p", "TV [CI]")
 
 
@@ -86,6 +130,47 @@ def evidence_cell(e: EngineResult) -> str:
     return f"min p (Holm) {p_eq(min((x.p_holm for x in e.tests), default=1.0))}"
 
 
+def evidence_lines(e: EngineResult, prompt: str) -> list[str]:
+    """The forbidden tokens seen, one line each: seed, position, context, token."""
+    out = []
+    for x in e.evidence:
+        after = f"{prompt}+{x.prefix}" if x.prefix else prompt
+        what = "output ended" if x.token == "<end>" else f"token {x.token}"
+        more = f" ({x.count} samples)" if x.count > 1 else ""
+        out.append(f"seed {x.seed}: {what} at position {x.position} after {after}{more}")
+    return out
+
+
+def detail_lines(e: EngineResult, prompt: str) -> list[str]:
+    """What the verdict rests on besides the tables: the directed test's power at this N,
+    the certified bound, samples needed, the evidence."""
+    lines = []
+    d = e.directed
+    if d is not None:
+        if d.tv is not None and d.lambda_ is not None:
+            lines.append(
+                f"Draft-direction test: {d.power:.0%} power (at level {d.level:.2g}, n = {d.n}) "
+                f"against leakage toward the draft from a prefix-averaged next-token TV of "
+                f"{d.tv:.3f} (lambda = {d.lambda_:.3f})."
+            )
+        else:
+            lines.append(
+                f"Draft-direction test: not {d.power:.0%} power even against the draft itself "
+                f"at n = {d.n}."
+            )
+    if e.tv_bound is not None:
+        lines.append(
+            f"Certified TV (largest one-sided bound, positions and joint): {e.tv_bound:.3f}, "
+            f"tolerance {e.tolerance:g}."
+        )
+    if e.samples_needed is not None:
+        lines.append(f"About {e.samples_needed} samples would bring every bound within it.")
+    ev = evidence_lines(e, prompt)
+    if ev:
+        lines.append("Tokens with probability 0: " + "; ".join(ev) + ".")
+    return lines
+
+
 def summary_rows(res: DistResult) -> list[tuple[Any, ...]]:
     return [
         (e.engine, e.verdict.value, e.n_samples, draft_cell(e), evidence_cell(e), e.reason)
@@ -121,6 +206,9 @@ def to_markdown(res: DistResult) -> str:
             "",
             md_table(TEST_HEADERS, test_rows(e)),
         ]
+        details = detail_lines(e, wl.prompt)
+        if details:
+            lines += ["", " ".join(details)]
         if e.sequential is not None:
             q = e.sequential
             lines += [
@@ -148,8 +236,7 @@ def plot_results(res: DistResult, path: Path) -> Path:
         rows, max(len(engines), 1), figsize=(4.2 * max(len(engines), 1), 2.9 * rows),
         squeeze=False, sharey=True,
     )  # fmt: skip
-    colors = {Verdict.PRESERVED: "tab:green", Verdict.BROKEN: "tab:red",
-              Verdict.INCONCLUSIVE: "tab:orange"}  # fmt: skip
+    colors = VERDICT_COLORS
     for j, e in enumerate(engines):
         for i in range(rows):
             ax = axes[i][j]
@@ -199,12 +286,16 @@ __all__ = [
     "CONTEXT_HEADERS",
     "SUMMARY_HEADERS",
     "TEST_HEADERS",
+    "VERDICT_COLORS",
     "context_rows",
+    "detail_lines",
     "draft_cell",
     "evidence_cell",
+    "evidence_lines",
     "fmt_p",
     "p_eq",
     "plot_results",
+    "power_cell",
     "summary_rows",
     "test_rows",
     "to_markdown",

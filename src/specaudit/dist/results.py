@@ -1,6 +1,7 @@
 """What `dist` works on and reports: the workload, one sample, and the result records.
 
-Also the defaults every part shares (alpha, tolerance, tokens per sample) and `DistError`.
+Also the defaults every part shares (alpha, tolerance, tokens per sample), `DistError`, and
+how a sample's text spells outcomes that are not letters (`END`, `SPECIAL_CODES`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 from specaudit import fixtures
 from specaudit.errors import SpecauditError
 from specaudit.outcome import Outcome
-from specaudit.stats import GofResult, TvInterval, Verdict
+from specaudit.stats import GofResult, TvBound, TvInterval, Verdict
 
 DEFAULT_TOKENS = 4  # the report's setting: with 4 the server drafts on every request
 DEFAULT_ALPHA = 0.01
 DEFAULT_TOLERANCE = 0.15  # ~the TV 1000 samples can certify at 4 positions (docs/dist.md)
+EVIDENCE_KEPT = 20  # distinct forbidden (position, prefix, token) kept as evidence
 
 ProgressFn = Callable[[str, int, int], None]
 """Called with (engine label, samples done, samples planned)."""
@@ -38,10 +40,36 @@ class Workload:
     sampler: fixtures.SamplerSettings
 
 
+# A sample's `text` holds one character per generated token (outcome). Fixture letters are
+# themselves (ASCII letters or digits); what a correct engine can never produce is spelled with
+# private-use characters, so the analysis sees it as an outcome of probability 0:
+END = "\ue000"  # the output ended before `tokens` tokens (EOS, a stop): at the first missing one
+SPECIAL_CODES: dict[str, str] = {
+    tok: chr(0xE001 + i) for i, tok in enumerate(fixtures.SPECIAL_TOKENS)
+}  # BOS, EOS, UNK of the fixture's vocabulary
+OTHER = "\ue0ff"  # a token id outside the fixture's vocabulary
+# Any other character (not a letter, not one of these) is kept as it is: text the fixture cannot
+# produce at all, also an outcome of probability 0.
+END_LABEL = "<end>"
+OTHER_LABEL = "<other>"
+
+
+def outcome_label(ch: str) -> str:
+    """How people read one outcome character: the letter, '</s>', '<end>', or the text seen."""
+    if ch == END:
+        return END_LABEL
+    if ch == OTHER:
+        return OTHER_LABEL
+    for tok, code in SPECIAL_CODES.items():
+        if ch == code:
+            return tok
+    return ch
+
+
 @dataclass(frozen=True)
 class Sample:
     seed: int
-    text: str  # the first `tokens` generated letters
+    text: str  # the first `tokens` outcomes: letters, or the codes above (`truth.encode_text`)
     drafted: int | None = None  # draft tokens proposed (None: engine does not say / no draft)
     accepted: int | None = None
 
@@ -71,30 +99,69 @@ class ContextResult:
 
 @dataclass
 class TestResult:
-    """One member of the tested family (a position, or the joint)."""
+    """One member of the tested family (a position, the joint, or the draft direction)."""
 
     __test__ = False  # not a pytest class
 
     name: str
-    kind: str  # "position" or "joint"
-    position: int  # 0 for the joint
+    kind: str  # "position", "joint" or "directed" (the score test toward the draft)
+    position: int  # 0 for the joint and the directed test
     n: int
-    contexts: int  # strata (position) or cells with non-zero probability (joint)
+    contexts: int  # strata (position), cells with non-zero probability (joint), or the
+    # (position, context) pairs where the draft differs from the target (directed)
     gof: GofResult
     p_holm: float
-    tv: TvInterval
+    tv: TvInterval  # two-sided, descriptive: the position's marginal (position), the joint's
+    # TV (joint); uninformative for the directed test
     rejected: bool
+    # What the verdict uses (positions and the joint): a one-sided upper bound, at 1 - alpha/m
+    # (m = positions + joint), on the prefix-averaged next-token TV of a position
+    # (sum over generated prefixes c of n_c/n TV(engine | c, target | c)) or on the joint's TV.
+    tv_bound: TvBound | None = None
+
+
+@dataclass(frozen=True)
+class ImpossibleOutcome:
+    """Evidence: a sampled token the target gives probability 0 under the sampler."""
+
+    seed: int  # the first seed that produced it
+    position: int  # 1-based
+    prefix: str  # the generated letters before it
+    token: str  # the letter, '</s>', '<s>', '<unk>', '<end>' (output ended) or the text seen
+    count: int = 1  # samples with this same prefix and token
+
+
+@dataclass(frozen=True)
+class DirectedPower:
+    """What the directed (draft-leakage) test can see at the N and alpha used.
+
+    Leakage toward the draft: p_lambda = p + lambda (d - p) after every prefix (d the draft's
+    distribution under the same sampler, restricted to the target's support). `tv` is the
+    largest prefix-averaged next-token TV over positions of the smallest lambda the test
+    detects with probability `power` at `level` (alpha over the Holm family size: Holm's first
+    step), by the normal approximation of the score statistic.
+    """
+
+    n: int
+    level: float
+    power: float
+    lambda_: float | None  # None: not reached even at lambda = 1 (the draft itself)
+    tv: float | None
+    tv_by_position: list[float]
+    information: float  # null variance of one sample's score (Fisher information per sample)
 
 
 @dataclass
 class SequentialResult:
-    decided_by: str  # "e-value", "tv-bound" or "max-samples"
+    decided_by: str  # "e-value", "tv-bound" (WITHIN TOLERANCE) or "max-samples"
     samples_used: int  # samples consumed when the decision was made
     samples_drawn: int  # samples the engine produced (in flight when stopped included)
     log_e_value: float
     e_threshold: float  # 1 / alpha
     looks: int  # interim TV analyses
-    tv_uppers: list[float]  # per position, at the last look
+    tv_uppers: list[float]  # per position (prefix-averaged next-token TV), then the joint, at
+    # the last look
+    evidence: list[ImpossibleOutcome] = field(default_factory=list)  # what made e infinite
 
 
 @dataclass
@@ -116,6 +183,17 @@ class EngineResult:
     reason: str
     seconds: float
     sequential: SequentialResult | None = None
+    # the forbidden tokens seen (first seeds, at most EVIDENCE_KEPT distinct (prefix, token))
+    evidence: list[ImpossibleOutcome] = field(default_factory=list)
+    # the largest of the verdict's one-sided TV bounds (positions' prefix-averaged TV, joint)
+    tv_bound: float | None = None
+    # INCONCLUSIVE: about how many samples would bring every bound within the tolerance
+    # (bounds shrink like 1/sqrt(n)); None otherwise
+    samples_needed: int | None = None
+    directed: DirectedPower | None = None
+    # the llama-server verification path exercised ("plain", "greedy", "rejection", "ngram";
+    # dist.runner); None for llama-speculative and a URL
+    path: str | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -134,24 +212,31 @@ class DistResult:
     engines: list[EngineResult]
     plot: Path | None = None
     notes: list[str] = field(default_factory=list)
+    # verification paths not exercised: (path, why), e.g. MTP without an MTP model
+    not_covered: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def verdict(self) -> Verdict:
+        """The weakest engine's: BROKEN, else INCONCLUSIVE, else WITHIN TOLERANCE, else
+        PRESERVED (no engine: INCONCLUSIVE)."""
         vs = {e.verdict for e in self.engines}
         if Verdict.BROKEN in vs:
             return Verdict.BROKEN
         if Verdict.INCONCLUSIVE in vs or not vs:
             return Verdict.INCONCLUSIVE
+        if Verdict.WITHIN_TOLERANCE in vs:
+            return Verdict.WITHIN_TOLERANCE
         return Verdict.PRESERVED
 
     @property
     def outcome(self) -> Outcome:
-        """PRESERVED -> OK, BROKEN -> FINDING, INCONCLUSIVE -> NO_DECISION."""
+        """PRESERVED, WITHIN TOLERANCE -> OK, BROKEN -> FINDING, INCONCLUSIVE -> NO_DECISION."""
         return self.verdict.outcome
 
     @property
     def exit_code(self) -> int:
-        """The `specaudit dist` exit code: 0 PRESERVED, 1 BROKEN, 2 INCONCLUSIVE."""
+        """The `specaudit dist` exit code: 0 PRESERVED / WITHIN TOLERANCE, 1 BROKEN,
+        2 INCONCLUSIVE."""
         return self.outcome.exit_code
 
 
@@ -159,14 +244,23 @@ __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_TOKENS",
     "DEFAULT_TOLERANCE",
+    "END",
+    "END_LABEL",
+    "EVIDENCE_KEPT",
+    "OTHER",
+    "OTHER_LABEL",
+    "SPECIAL_CODES",
     "ContextResult",
+    "DirectedPower",
     "DistError",
     "DistResult",
     "EngineResult",
+    "ImpossibleOutcome",
     "ProgressFn",
     "Sample",
     "SequentialResult",
     "TestResult",
     "TokenRow",
     "Workload",
+    "outcome_label",
 ]

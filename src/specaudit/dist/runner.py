@@ -11,6 +11,7 @@ from typing import Any
 
 from specaudit import fixtures
 from specaudit import validate as checks
+from specaudit.dist import coverage
 from specaudit.dist.driver import measure
 from specaudit.dist.engines import MAX_CONCURRENCY, ExampleEngine, ServerEngine
 from specaudit.dist.render import plot_results
@@ -40,7 +41,15 @@ MAX_PARALLEL = 256  # --parallel: slots of a spawned llama-server
 MAX_JOBS = 1024  # --jobs: llama-speculative processes at once
 DEFAULT_TIMEOUT = 60.0  # seconds per request to a server engine
 # llama.cpp's --spec-draft-sampling: greedy (default; sample-and-match), probabilistic (rejection)
-DRAFT_SAMPLING = ("greedy", "probabilistic")
+DRAFT_SAMPLING = presets.DRAFT_SAMPLING
+# the verification paths `server` runs, one llama-server each (presets.PATHS, dist.coverage)
+PATHS = presets.PATHS
+_SERVER_NAMES = {
+    "plain": "dist-plain",
+    "greedy": "dist-spec",
+    "rejection": "dist-spec-probabilistic",
+    "ngram": "dist-ngram",
+}
 
 
 def make_workload(
@@ -251,44 +260,60 @@ def spawn_server(
     binaries: LlamaBinaries,
     fixture: fixtures.FixtureSet,
     *,
-    draft: bool,
+    draft: bool | None = None,
     parallel: int = 4,
     log_dir: Path | None = None,
     draft_sampling: str = "greedy",
+    path: str | None = None,
 ) -> Iterator[LlamaServer]:
-    """A llama-server on the fixture, with (`--spec-type draft-simple`) or without a draft.
+    """A llama-server on the fixture on one verification path (`PATHS`), from its preset
+    (`presets.fixture_role`).
 
-    `draft_sampling` picks llama.cpp's verification path: "greedy" (its default, no flag: the
-    draft proposes its argmax, verified by sample-and-match, lossless by construction) or
+    Either `path` ("plain", "greedy", "rejection", "ngram"), or the older spelling: `draft`
+    (False: "plain") with `draft_sampling` "greedy" (llama.cpp's default, no flag: the draft
+    proposes its argmax, verified by sample-and-match, lossless by construction) or
     "probabilistic" (``--spec-draft-sampling probabilistic``: the draft samples and reports
-    its distribution q, verified by rejection sampling; only at temperature > 0).
+    its distribution q, verified by rejection sampling; only at temperature > 0). "ngram" is
+    ``--spec-type ngram-mod`` without a draft model (`presets.FIXTURE_NGRAM_ARGS`).
     """
-    if draft_sampling not in DRAFT_SAMPLING:
-        raise DistError(
-            f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}"
-        )
-    if draft_sampling != "greedy" and not draft:
-        raise DistError(f"draft_sampling={draft_sampling!r} needs a draft (draft=True)")
-    name = "dist-spec" if draft else "dist-plain"
-    if draft_sampling != "greedy":
-        name += f"-{draft_sampling}"
-    sampling_args = ["--spec-draft-sampling", draft_sampling] if draft_sampling != "greedy" else []
+    path = _server_path(draft, draft_sampling, path)
+    model = "fixture-context" if fixture.spec.kind == "context" else "fixture"
+    preset = presets.PRESETS[presets.fixture_role(model, path)]
+    name = _SERVER_NAMES[path]
     # presets' fixture policy: one thread (the fixture needs no second one; on a busy machine
     # extra threads only spin); a slot gets the fixture's whole context.
-    srv = presets.server(
+    srv = presets.for_preset(
+        preset,
         binaries,
-        fixture.target,
-        kind="fixture-context" if fixture.spec.kind == "context" else "fixture",
-        draft=fixture.draft if draft else None,
-        spec_type="draft-simple" if draft else None,
+        Path(fixture.target),
+        Path(fixture.draft) if preset.uses_draft else None,
         parallel=parallel,
         ctx_per_slot=fixture.spec.config.context_length,
         log_path=(log_dir / f"{name}.log") if log_dir else None,
         name=name,
-        extra_args=sampling_args,
     )
     with srv:
         yield srv
+
+
+def _server_path(draft: bool | None, draft_sampling: str, path: str | None) -> str:
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise DistError(
+            f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}"
+        )
+    if path is not None:
+        if path not in PATHS:
+            raise DistError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+        if draft is not None or draft_sampling != "greedy":
+            raise DistError("give path, or draft (and draft_sampling), not both")
+        return path
+    if draft is None:
+        raise DistError("spawn_server needs path (or draft)")
+    if draft_sampling != "greedy" and not draft:
+        raise DistError(f"draft_sampling={draft_sampling!r} needs a draft (draft=True)")
+    if not draft:
+        return "plain"
+    return "rejection" if draft_sampling == "probabilistic" else "greedy"
 
 
 def run(
@@ -316,8 +341,12 @@ def run(
     timeout: float = DEFAULT_TIMEOUT,
     patches: Sequence[str] = (),
     fixture_kind: str | None = None,
+    paths: Sequence[str] | None = None,
 ) -> DistResult:
-    """Run the distribution test on each engine (`server` means two: without and with a draft).
+    """Run the distribution test on each engine (`server` means one llama-server per
+    verification path in `paths`, default every `PATHS` value: plain, greedy, rejection (only
+    at temperature > 0), ngram; each result's `path` says which). The result's `not_covered`
+    lists the paths no fixture can exercise (`dist.coverage.NOT_COVERED`) when `server` ran.
 
     Memory does not grow with `seeds` (a range, counted as sampled: `dist.driver`).
     `patches`: when `binaries` is not given, the server and llama-speculative engines run on
@@ -325,6 +354,10 @@ def run(
     see `llama.ensure`); their engine labels name the patches.
     """
     patches = _check_patches(engines, patches, binaries)
+    if paths is not None and "server" not in engines:
+        raise DistError("--path applies to the server engine only")
+    server_paths = coverage.check_paths(paths, sampler.temperature)
+    assert server_paths is not None
     fs, wl = validate(
         engines,
         fixture=fixture,
@@ -364,17 +397,16 @@ def run(
     for name in dict.fromkeys(engines):
         if name == "server":
             b = bins()
-            for draft in (False, True):
-                with spawn_server(b, fs, draft=draft, parallel=parallel, log_dir=work_dir) as srv:
+            for path in server_paths:
+                label, kind = coverage.PATH_ENGINES[path]
+                with spawn_server(b, fs, path=path, parallel=parallel, log_dir=work_dir) as srv:
                     eng = ServerEngine(
-                        srv.url, fs.spec, wl,
-                        label=_with_patches(
-                            "llama-server + draft" if draft else "llama-server, no draft", b
-                        ),
-                        kind="server-spec" if draft else "server-plain",
+                        srv.url, fs.spec, wl, label=_with_patches(label, b), kind=kind,
                         concurrency=concurrency or 2 * parallel, timeout=timeout,
                     )  # fmt: skip
-                    results.append(measure(eng, fs.spec, wl, seed_list, **kw))
+                    res = measure(eng, fs.spec, wl, seed_list, **kw)
+                    res.path = path
+                    results.append(res)
         elif name == "speculative-example":
             b = bins()
             ex = ExampleEngine(
@@ -395,6 +427,9 @@ def run(
         tolerance=tolerance,
         sequential=sequential,
         engines=results,
+        not_covered=coverage.not_covered(server_paths, sampler.temperature)
+        if "server" in engines
+        else [],
     )
     if plot is not None:
         out.plot = plot_results(out, plot)
@@ -410,6 +445,7 @@ __all__ = [
     "MAX_JOINT",
     "MAX_PARALLEL",
     "MIN_TOKENS",
+    "PATHS",
     "load_fixture",
     "make_workload",
     "needs_binaries",

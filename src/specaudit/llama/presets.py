@@ -21,6 +21,23 @@ MODELS = ("fixture", "fixture-context", "gemma")
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 DEFAULT_SPEC_TYPE = "draft-simple"
+# llama.cpp's --spec-draft-sampling: greedy (its default; sample-and-match), probabilistic
+# (the draft samples and reports q; the target verifies by rejection sampling, temperature > 0)
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+# The verification paths a fixture server can exercise (docs/dist.md, "Verification paths"):
+# no speculation; a greedy draft (sample-and-match); a probabilistic draft (rejection
+# sampling); n-gram drafting from the context (ngram-mod: no draft model, sample-and-match).
+PATHS = ("plain", "greedy", "rejection", "ngram")
+# ngram-mod's defaults look up 24-token n-grams and draft nothing under 48 tokens: on the
+# fixture's 5-letter prompt it would never draft. Single-token lookups make it draft whenever
+# the last token appeared in the prompt (on the default fixture, 4 tokens per sample, ~0.2
+# drafts per request; measured 36 drafted / 20 accepted on 200 seeds, the context fixture
+# 343 / 81). llama.cpp warns that n_match < 16 is "poor quality": drafts, not correctness.
+FIXTURE_NGRAM_ARGS = (
+    "--spec-ngram-mod-n-match", "1",
+    "--spec-ngram-mod-n-min", "1",
+    "--spec-ngram-mod-n-max", "8",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,13 @@ POLICIES = {
 }
 
 
+def uses_draft(spec_type: str | None) -> bool:
+    """Whether a --spec-type list needs a draft model (the draft-* types but MTP)."""
+    if not spec_type:
+        return False
+    return any(t.startswith("draft-") and t != "draft-mtp" for t in spec_type.split(","))
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named server role."""
@@ -58,10 +82,25 @@ class Preset:
     speculative: bool
     variant: str = "stock"  # or "patched"
     spec_type: str = DEFAULT_SPEC_TYPE
+    draft_sampling: str = "greedy"  # a DRAFT_SAMPLING value (with a draft model only)
+    args: tuple[str, ...] = ()  # more llama-server arguments, after the policy's
+
+    def __post_init__(self) -> None:
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"{self.name}: draft_sampling {self.draft_sampling!r}")
+        if self.draft_sampling != "greedy" and not self.uses_draft:
+            raise ValueError(f"{self.name}: draft_sampling needs a draft model")
 
     @property
     def uses_draft(self) -> bool:
         return self.speculative and uses_draft(self.spec_type)
+
+    @property
+    def extra_args(self) -> tuple[str, ...]:
+        """What the role adds to the policy: the draft sampling (greedy: llama.cpp's default,
+        no flag), then `args`."""
+        sampling = ("--spec-draft-sampling", self.draft_sampling)
+        return (*(sampling if self.draft_sampling != "greedy" else ()), *self.args)
 
     @property
     def patches(self) -> tuple[str, ...]:
@@ -79,6 +118,22 @@ PRESETS: dict[str, Preset] = {
         Preset("fixture-spec", "fixture", True),
         Preset("fixture-context-plain", "fixture-context", False),
         Preset("fixture-context-spec", "fixture-context", True),
+        # the other verification paths (PATHS), on both fixtures: `fixture_role`
+        Preset("fixture-spec-rejection", "fixture", True, draft_sampling="probabilistic"),
+        Preset("fixture-ngram", "fixture", True, spec_type="ngram-mod", args=FIXTURE_NGRAM_ARGS),
+        Preset(
+            "fixture-context-spec-rejection",
+            "fixture-context",
+            True,
+            draft_sampling="probabilistic",
+        ),
+        Preset(
+            "fixture-context-ngram",
+            "fixture-context",
+            True,
+            spec_type="ngram-mod",
+            args=FIXTURE_NGRAM_ARGS,
+        ),
         Preset("gemma-plain", "gemma", False),
         Preset("gemma-spec", "gemma", True),
         Preset("fixture-spec-patched", "fixture", True, "patched"),
@@ -88,11 +143,26 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def uses_draft(spec_type: str | None) -> bool:
-    """Whether a --spec-type list needs a draft model (the draft-* types but MTP)."""
-    if not spec_type:
-        return False
-    return any(t.startswith("draft-") and t != "draft-mtp" for t in spec_type.split(","))
+_PATH_ROLES = {"plain": "plain", "greedy": "spec", "rejection": "spec-rejection", "ngram": "ngram"}
+
+
+def fixture_role(model: str, path: str) -> str:
+    """The `PRESETS` name of a fixture server (`model` "fixture" or "fixture-context") on a
+    verification path (a `PATHS` value)."""
+    if model not in ("fixture", "fixture-context"):
+        raise ValueError(f"not a fixture model: {model!r}")
+    if path not in _PATH_ROLES:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    return f"{model}-{_PATH_ROLES[path]}"
+
+
+def path_of(preset: Preset) -> str:
+    """The verification path a role exercises (a `PATHS` value)."""
+    if not preset.speculative:
+        return "plain"
+    if not preset.uses_draft:
+        return "ngram"  # the n-gram types (MTP, which needs no draft file, has no preset)
+    return "rejection" if preset.draft_sampling == "probabilistic" else "greedy"
 
 
 def server(
@@ -136,8 +206,11 @@ def for_preset(
     *,
     log_path: Path | None = None,
     parallel: int | None = None,
+    ctx_per_slot: int | None = None,
+    name: str | None = None,
 ) -> LlamaServer:
-    """The `LlamaServer` (not started) of a named role."""
+    """The `LlamaServer` (not started) of a named role (`name`: the server's, default the
+    role's)."""
     return server(
         binaries,
         model,
@@ -145,19 +218,26 @@ def for_preset(
         draft=draft if preset.uses_draft else None,
         spec_type=preset.spec_type if preset.speculative else None,
         parallel=parallel,
+        ctx_per_slot=ctx_per_slot,
         log_path=log_path,
-        name=preset.name,
+        name=name or preset.name,
+        extra_args=preset.extra_args,
     )
 
 
 __all__ = [
+    "DRAFT_SAMPLING",
+    "FIXTURE_NGRAM_ARGS",
     "MODELS",
     "PATCH",
+    "PATHS",
     "POLICIES",
     "PRESETS",
     "Policy",
     "Preset",
+    "fixture_role",
     "for_preset",
+    "path_of",
     "server",
     "uses_draft",
 ]

@@ -1,49 +1,98 @@
 """The audit's dist section: does speculation keep the sampling distribution?
 
-The fixture through the audit's own llama-servers (no draft, draft) and through llama.cpp's
-llama-speculative example, 1000 seeds each, as in the field report.
+On both fixtures (last-token and context), llama-server on every verification path it has
+that a fixture can exercise (no draft; greedy draft, sample-and-match; probabilistic draft,
+rejection sampling; ngram-mod), each through the audit's own servers (`presets`), plus
+llama.cpp's llama-speculative example on the last-token fixture: 1000 seeds each, as in the
+field report. One summary table with each row's path and drafted / accepted / rejected
+counts, then the paths no fixture can exercise (`dist.NOT_COVERED`).
 """
 
 from __future__ import annotations
 
 from specaudit import dist
 from specaudit.audit.context import AuditContext, Section
+from specaudit.fixtures import FixtureSet
+from specaudit.llama import presets
 from specaudit.outcome import Outcome
+from specaudit.report import md_table
 from specaudit.stats import Verdict
+
+SEEDS = range(1, 1001)  # the report's 1000 seeds
+SUMMARY_HEADERS = ("fixture", *dist.PATH_HEADERS, "why")
+
+
+def _server_paths(ctx: AuditContext, fs: FixtureSet, model: str) -> list[dist.EngineResult]:
+    wl = dist.make_workload(fs.spec)
+    results = []
+    for path in dist.PATHS:
+        label, kind = dist.PATH_ENGINES[path]
+        srv = ctx.server(presets.fixture_role(model, path))
+        ctx.progress(f"dist: {fs.spec.name}: {label}")
+        eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
+        res = dist.measure(eng, fs.spec, wl, SEEDS)
+        res.path = path
+        results.append(res)
+    return results
+
+
+def _result(fs: FixtureSet, engines: list[dist.EngineResult]) -> dist.DistResult:
+    return dist.DistResult(
+        fixture=fs.spec.name, fixture_dir=fs.dir, sha256=dict(fs.sha256),
+        workload=dist.make_workload(fs.spec), alpha=dist.DEFAULT_ALPHA,
+        tolerance=dist.DEFAULT_TOLERANCE, sequential=False, engines=engines,
+        not_covered=list(dist.NOT_COVERED),
+    )  # fmt: skip
 
 
 def section(ctx: AuditContext) -> Section:
-    """The audit's dist section: the fixture through llama-server (no draft, draft) and
-    llama-speculative, 1000 seeds each, as in the field report."""
-    fs = ctx.fixture
-    wl = dist.make_workload(fs.spec)
-    seed_list = list(range(1, 1001))
-    results = []
-    for role, label, kind in (
-        ("fixture-plain", "llama-server, no draft", "server-plain"),
-        ("fixture-spec", "llama-server + draft", "server-spec"),
-    ):
-        srv = ctx.server(role)
-        ctx.progress(f"dist: {label}")
-        eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
-        results.append(dist.measure(eng, fs.spec, wl, seed_list))
+    """The audit's dist section: both fixtures through llama-server on every path (plain,
+    greedy, rejection, ngram) and the last-token fixture through llama-speculative, 1000
+    seeds each."""
+    fs, cfs = ctx.fixture, ctx.context_fixture
+    last = _server_paths(ctx, fs, "fixture")
     ctx.progress("dist: llama-speculative")
+    wl = dist.make_workload(fs.spec)
     ex = dist.ExampleEngine(ctx.binaries().speculative, fs.target, fs.draft, fs.spec, wl)
-    results.append(dist.measure(ex, fs.spec, wl, seed_list))
-    res = dist.DistResult(
-        fixture=fs.spec.name, fixture_dir=fs.dir, sha256=dict(fs.sha256), workload=wl,
-        alpha=dist.DEFAULT_ALPHA, tolerance=dist.DEFAULT_TOLERANCE, sequential=False,
-        engines=results,
-    )  # fmt: skip
+    last.append(dist.measure(ex, fs.spec, wl, SEEDS))
+    res = _result(fs, last)
+    res_ctx = _result(cfs, _server_paths(ctx, cfs, "fixture-context"))
     res.plot = dist.plot_results(res, ctx.out_dir / "dist.png")
-    broken = [e.engine for e in results if e.verdict is Verdict.BROKEN]
-    summary = "; ".join(f"{e.engine} {e.verdict.value}" for e in results)
+    res_ctx.plot = dist.plot_results(res_ctx, ctx.out_dir / "dist-context.png")
+    both = [(r, e) for r in (res, res_ctx) for e in r.engines]
+    rows = [
+        (r.fixture, *row, e.reason)
+        for r in (res, res_ctx)
+        for e, row in zip(r.engines, dist.path_rows(r), strict=True)
+    ]
+    markdown = "\n".join(
+        [
+            "Every llama-server verification path a fixture can exercise, on both fixtures "
+            f"(seeds {SEEDS.start}..{SEEDS.stop - 1}); rejected = drafted - accepted.",
+            "",
+            md_table(SUMMARY_HEADERS, rows),
+            "",
+            "Not covered (no fixture can exercise them):",
+            "",
+            *dist.not_covered_lines(res.not_covered),
+            "",
+            f"#### Fixture `{res.fixture}` (last-token)",
+            "",
+            dist.to_markdown(res),
+            "",
+            f"#### Fixture `{res_ctx.fixture}` (context)",
+            "",
+            dist.to_markdown(res_ctx),
+        ]
+    )
+    broken = [e for _, e in both if e.verdict is Verdict.BROKEN]
+    summary = "; ".join(f"{r.fixture}: {e.engine} {e.verdict.value}" for r, e in both)
     return Section(
         key="dist",
         title="Distribution: does speculation keep the sampling distribution?",
-        markdown=dist.to_markdown(res),
-        data={"dist": res},
-        plots=[res.plot],
+        markdown=markdown,
+        data={"dist": res, "dist_context": res_ctx},
+        plots=[res.plot, res_ctx.plot],
         # FINDING when an engine is BROKEN; an INCONCLUSIVE engine is reported, not a finding
         status=Outcome.FINDING if broken else Outcome.OK,
         summary=summary,

@@ -1,0 +1,273 @@
+"""`dist`'s verification paths (issue 12, item 0) and the CLI plumbing: `--path`,
+`--fixture-kind`, `fixtures build --kind`. No server runs: spawning and measuring are stubbed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from specaudit import dist, fixtures, llama
+from specaudit.cli import common
+from specaudit.dist import runner
+from specaudit.llama import presets
+from specaudit.llama.server import LlamaServer
+
+CliFn = Callable[..., tuple[int, str, str]]
+B = 11434
+
+
+def _one_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------- constants
+
+
+def test_the_cli_spells_the_library_choices() -> None:
+    assert common.FIXTURE_KINDS == fixtures.KINDS
+    assert dist.PATHS == presets.PATHS == ("plain", "greedy", "rejection", "ngram")
+    assert set(dist.PATH_ENGINES) == set(dist.PATHS) == set(dist.PATH_HELP)
+
+
+def test_every_path_has_a_role_on_both_fixtures() -> None:
+    for model in ("fixture", "fixture-context"):
+        for path in dist.PATHS:
+            role = presets.fixture_role(model, path)
+            p = presets.PRESETS[role]
+            assert p.model == model and presets.path_of(p) == path, role
+    assert presets.PRESETS["fixture-spec-rejection"].extra_args == (
+        "--spec-draft-sampling", "probabilistic",
+    )  # fmt: skip
+    ngram = presets.PRESETS["fixture-context-ngram"]
+    assert ngram.spec_type == "ngram-mod" and not ngram.uses_draft
+    assert ngram.extra_args == presets.FIXTURE_NGRAM_ARGS
+    with pytest.raises(ValueError, match="path must be one of"):
+        presets.fixture_role("fixture", "mtp")
+    with pytest.raises(ValueError, match="draft_sampling needs a draft"):
+        presets.Preset("x", "fixture", False, draft_sampling="probabilistic")
+
+
+# ------------------------------------------------------------------------------------ help
+
+
+def test_dist_help_documents_the_paths(cli: CliFn) -> None:
+    code, out, _ = cli("dist", "--help")
+    assert code == 0
+    assert "--path [plain|greedy|rejection|ngram]" in out
+    assert "--fixture-kind [last-token|context]" in out
+    assert "Verification paths" in out and "Not covered" in out
+    for p in dist.PATHS:
+        assert f"  {p} " in out
+    for name in ("mtp", "replay", "synthetic", "eagle3"):
+        assert name in out
+    assert "rejection sampling" in out and "sample-and-match" in out
+
+
+def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
+    code, out, _ = cli("fixtures", "build", "--help")
+    assert code == 0 and "--kind [last-token|context]" in out and "default: last-token" in out
+
+
+# ------------------------------------------------------------------------- option checking
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--path", "mtp"), "'mtp' is not one of"),
+        (("--path", "Greedy"), "is not one of"),
+        (("--fixture-kind", "other"), "'other' is not one of"),
+        (("--engine", "url", "--url", "http://127.0.0.1:9", "--path", "greedy"), "--path applies"),
+        (
+            ("--engine", "server", "--path", "rejection", "--temperature", "0"),
+            "needs --temperature",
+        ),
+    ],
+)
+def test_bad_path_or_kind_is_one_error_line_before_any_build(
+    args: tuple[str, ...], match: str, cli: CliFn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
+
+    def no_build(*a: Any, **k: Any) -> None:
+        raise AssertionError("looked for binaries before checking the options")
+
+    monkeypatch.setattr(llama, "find", no_build)
+    monkeypatch.setattr(llama, "ensure", no_build)
+    code, _, err = cli("dist", *args, "--seeds", "5")
+    assert code == 2
+    assert match in _one_error(err)
+
+
+def test_fixture_kind_must_match_the_fixture_given(
+    cli: CliFn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = fixtures.build(tmp_path / "fx")
+    monkeypatch.setattr(llama, "find", lambda *a, **k: pytest.fail("no build expected"))
+    code, _, err = cli(
+        "dist", "--fixture", str(fs.dir), "--fixture-kind", "context", "--engine", "server"
+    )
+    assert code == 2 and "not 'context'" in _one_error(err)
+
+
+def test_cli_passes_paths_and_fixture_kind_to_dist_run(
+    cli: CliFn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
+    from specaudit.cli import dist_cmd
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(engines: Any, **kw: Any) -> None:
+        seen.update(kw, engines=engines)
+        raise dist.DistError("stop here")
+
+    fake_bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
+    monkeypatch.setattr(dist_cmd, "ensure_binaries", lambda **k: fake_bins)
+    monkeypatch.setattr(dist, "run", fake_run)
+    code, _, err = cli(
+        "dist", "--engine", "server", "--fixture-kind", "context",
+        "--path", "greedy", "--path", "ngram", "--seeds", "5",
+    )  # fmt: skip
+    assert code == 2 and "stop here" in err
+    assert seen["engines"] == ("server",)
+    assert seen["fixture_kind"] == "context" and seen["paths"] == ("greedy", "ngram")
+    assert seen["fixture"].spec.kind == "context"
+    seen.clear()
+    code, _, _ = cli("dist", "--engine", "server", "--seeds", "5")
+    assert seen["paths"] is None and seen["fixture_kind"] is None  # every path, last-token
+    assert seen["fixture"].spec.kind == "last-token"
+
+
+# --------------------------------------------------------------------- fixtures build --kind
+
+
+def test_fixtures_build_kind(cli: CliFn, tmp_path: Path) -> None:
+    code, out, err = cli("fixtures", "build", str(tmp_path / "c"), "--kind", "context", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kind"] == "context"
+    assert fixtures.load(tmp_path / "c").spec.kind == "context"
+    code, out, err = cli("fixtures", "build", str(tmp_path / "d"), "--json")
+    assert code == 0 and json.loads(out)["kind"] == "last-token"
+    code, _, err = cli("fixtures", "build", str(tmp_path / "e"), "--kind", "nope")
+    assert code == 2 and "'nope' is not one of" in err
+
+
+# ------------------------------------------------------------------- dist.run, one per path
+
+
+def _fake_servers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    started: list[tuple[str, list[str]]] = []
+
+    def enter(self: LlamaServer) -> LlamaServer:
+        started.append((self.name, self.argv()))
+        return self
+
+    monkeypatch.setattr(LlamaServer, "__enter__", enter)
+    monkeypatch.setattr(LlamaServer, "__exit__", lambda self, *exc: None)
+    return started
+
+
+def _fake_measure(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    measured: list[tuple[str, str]] = []
+
+    def fake(eng: Any, *a: Any, **k: Any) -> Any:
+        measured.append((eng.label, eng.kind))
+        return SimpleNamespace(engine=eng.label, kind=eng.kind, path=None)
+
+    monkeypatch.setattr(runner, "measure", fake)
+    return measured
+
+
+def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    started = _fake_servers(monkeypatch)
+    measured = _fake_measure(monkeypatch)
+    bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
+    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
+    assert [e.path for e in res.engines] == list(dist.PATHS)
+    assert [k for _, k in measured] == [
+        "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
+    ]  # fmt: skip
+    names = [n for n, _ in started]
+    assert names == ["dist-plain", "dist-spec", "dist-spec-probabilistic", "dist-ngram"]
+    argv = {n: a for n, a in started}
+    assert "--spec-type" not in argv["dist-plain"] and "-md" not in argv["dist-plain"]
+    assert "-md" in argv["dist-spec"] and "--spec-draft-sampling" not in argv["dist-spec"]
+    rej = argv["dist-spec-probabilistic"]
+    assert rej[rej.index("--spec-draft-sampling") + 1] == "probabilistic" and "-md" in rej
+    ng = argv["dist-ngram"]
+    assert ng[ng.index("--spec-type") + 1] == "ngram-mod" and "-md" not in ng
+    assert ng[ng.index("--spec-ngram-mod-n-match") + 1] == "1"
+    assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
+    assert "rejection" not in {p for p, _ in res.not_covered}
+
+
+def test_paths_pick_and_temperature_zero_drops_rejection(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_servers(monkeypatch)
+    _fake_measure(monkeypatch)
+    bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
+    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, paths=("ngram",))
+    assert [e.path for e in res.engines] == ["ngram"]
+    greedy = fixtures.SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=0.0)
+    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy)
+    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram"]
+    assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"paths": "greedy"}, "not one string"),
+        ({"paths": ()}, "no --path given"),
+        ({"paths": ("greedy", "mtp")}, "unknown --path 'mtp'"),
+        ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
+    ],
+)
+def test_run_checks_paths(kw: dict[str, Any], match: str, tmp_path: Path) -> None:
+    engines = kw.pop("engines", ("server",))
+    with pytest.raises(dist.DistError, match=match):
+        dist.run(engines, work_dir=tmp_path, seeds=5, **kw)
+
+
+def test_spawn_server_path_and_legacy_keywords(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    started = _fake_servers(monkeypatch)
+    fs = runner.load_fixture(None, tmp_path, "context")
+    bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
+    with dist.spawn_server(bins, fs, path="ngram"):
+        pass
+    with dist.spawn_server(bins, fs, draft=True, draft_sampling="probabilistic"):
+        pass
+    (n1, a1), (n2, a2) = started
+    assert n1 == "dist-ngram" and "-ctk" in a1  # the context fixture's policy
+    assert n2 == "dist-spec-probabilistic" and "--spec-draft-sampling" in a2
+    with (
+        pytest.raises(dist.DistError, match="not both"),
+        dist.spawn_server(bins, fs, path="greedy", draft=True),
+    ):
+        pass
+    with pytest.raises(dist.DistError, match="needs path"), dist.spawn_server(bins, fs):
+        pass
+
+
+def test_rejected_and_the_paths_table() -> None:
+    e = SimpleNamespace(
+        engine="x", path="greedy", verdict=SimpleNamespace(value="PRESERVED"), n_samples=10,
+        drafted=7, accepted=3,
+    )  # fmt: skip
+    assert dist.rejected(e) == 4  # type: ignore[arg-type]
+    res = SimpleNamespace(engines=[e], not_covered=[("mtp", "needs MTP heads")])
+    md = dist.paths_markdown(res)  # type: ignore[arg-type]
+    assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 |" in md
+    assert "- `mtp`: needs MTP heads" in md
