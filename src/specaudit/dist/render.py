@@ -118,7 +118,8 @@ def _fmt_stat(g: float) -> str:
 def draft_cell(e: EngineResult) -> str:
     if e.drafted is None:
         return "-"
-    return f"{e.drafted} drafted, {e.accepted} accepted"
+    rejected = f", {e.drafted - e.accepted} rejected" if e.accepted is not None else ""
+    return f"{e.drafted} drafted, {e.accepted} accepted{rejected}"
 
 
 def evidence_cell(e: EngineResult) -> str:
@@ -173,12 +174,20 @@ def detail_lines(e: EngineResult, prompt: str) -> list[str]:
 
 def summary_rows(res: DistResult) -> list[tuple[Any, ...]]:
     return [
-        (e.engine, e.verdict.value, e.n_samples, draft_cell(e), evidence_cell(e), e.reason)
+        (
+            e.engine,
+            e.path or "-",
+            e.verdict.value,
+            e.n_samples,
+            draft_cell(e),
+            evidence_cell(e),
+            e.reason,
+        )
         for e in res.engines
     ]
 
 
-SUMMARY_HEADERS = ("engine", "verdict", "samples", "drafted/accepted", "evidence", "why")
+SUMMARY_HEADERS = ("engine", "path", "verdict", "samples", "drafted/accepted", "evidence", "why")
 
 
 def to_markdown(res: DistResult) -> str:
