@@ -53,8 +53,10 @@ from scipy import stats as st
 from specaudit.outcome import Outcome
 
 __all__ = [
+    "DirectedEProcess",
     "EProcess",
     "GofResult",
+    "mixed_log_e",
     "TvBound",
     "TvInterval",
     "Verdict",
@@ -719,3 +721,49 @@ class EProcess:
 
     def rejects(self, alpha: float) -> bool:
         return self.log_e >= math.log(1.0 / alpha)
+
+
+DIRECTED_LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
+
+
+class DirectedEProcess:
+    """Test martingale for one direction of deviation: p_lambda = p + lambda (d - p).
+
+    Each token's factor is p_lambda(x) / p(x) = 1 + lambda u, with u = d(x)/p(x) - 1 (mean 0
+    under p, and >= -1, so every factor is >= 0 for lambda in [0, 1]); the e-value is the
+    average of the products over a grid of lambdas (an average of test martingales is one).
+    Why: one parameter shared by every context pays far less for learning than the omnibus
+    `EProcess`, whose per-context mixture pays in every context; a bug that leaks toward the
+    draft is caught in a fraction of the samples.
+    """
+
+    def __init__(self, lambdas: Sequence[float] = DIRECTED_LAMBDAS) -> None:
+        lam = np.asarray(lambdas, dtype=float)
+        if lam.size == 0 or np.any(lam <= 0) or np.any(lam > 1):
+            raise ValueError("lambdas must lie in (0, 1]")
+        self.lambdas = lam
+        self._log = np.zeros(lam.size)
+        self.steps = 0
+
+    def update(self, u: float) -> float:
+        """Account for one token's score u = d(x)/p(x) - 1 (inf: the token is impossible)."""
+        if not u >= -1.0:
+            raise ValueError(f"score {u} < -1: not d(x)/p(x) - 1")
+        self.steps += 1
+        if math.isinf(u):
+            self._log[:] = math.inf
+        else:
+            with np.errstate(divide="ignore"):
+                self._log += np.log1p(self.lambdas * u)  # lambda = 1, u = -1: that member is 0
+        return self.log_e
+
+    @property
+    def log_e(self) -> float:
+        if np.all(np.isneginf(self._log)):
+            return -math.inf
+        return float(np.logaddexp.reduce(self._log) - math.log(self.lambdas.size))
+
+
+def mixed_log_e(*log_es: float) -> float:
+    """log of the average of e-processes: still an e-process (Ville holds for the average)."""
+    return float(np.logaddexp.reduce(np.asarray(log_es, dtype=float)) - math.log(len(log_es)))

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
+from rich.console import Console
 
 from specaudit import dist, fixtures, llama
-from specaudit.cli import common
+from specaudit.cli import common, dist_cmd
 from specaudit.dist import runner
 from specaudit.llama import presets
 from specaudit.llama.server import LlamaServer
@@ -271,3 +275,32 @@ def test_rejected_and_the_paths_table() -> None:
     md = dist.paths_markdown(res)  # type: ignore[arg-type]
     assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 |" in md
     assert "- `mtp`: needs MTP heads" in md
+
+
+def test_the_terminal_view_has_one_summary_and_the_detail_lines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a terminal: per engine its tables and the detail lines (directed power, certified
+    bound); one summary table carrying path and drafted/accepted/rejected, no second paths
+    table."""
+    spec = fixtures.default_spec()
+    wl = dist.make_workload(spec)
+    truth = dist.Truth(spec, wl)
+    rng = np.random.default_rng(3)
+    samples = []
+    for seed in range(1, 401):
+        text = ""
+        for _ in range(wl.tokens):
+            p = truth.next(text)
+            text += truth.labels[int(rng.choice(len(p), p=p))]
+        samples.append(dist.Sample(seed, text, drafted=3, accepted=2))
+    e = dist.analyze(spec, wl, samples, engine="spec")
+    e.path = "rejection"
+    res = dist.DistResult("fixture", tmp_path, {}, wl, 0.01, 0.15, False, [e])
+    buf = io.StringIO()
+    monkeypatch.setattr(dist_cmd, "out", Console(file=buf, force_terminal=True, width=200))
+    dist_cmd.render(res)
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
+    assert "Draft-direction test:" in shown and "Certified TV (largest" in shown
+    assert "1200 drafted, 800 accepted, 400 rejected" in shown
+    assert shown.count("summary") == 1 and "verification paths" not in shown

@@ -265,6 +265,67 @@ def test_e_process_false_alarms_stay_below_alpha() -> None:
     assert crossed / runs <= alpha
 
 
+D3 = [0.6, 0.3, 0.1]  # a draft's distribution in the same context
+
+
+def _score(x: int) -> float:
+    return D3[x] / P3[x] - 1.0
+
+
+def test_directed_e_process_false_alarms_stay_below_alpha() -> None:
+    """Ville again, for the lambda-mixture toward the draft: under the null (tokens from P3)
+    the e-value crosses 1/alpha in fewer than alpha of the runs, at any time."""
+    rng = np.random.default_rng(15)
+    alpha, runs, crossed = 0.05, 400, 0
+    for _ in range(runs):
+        e = stats.DirectedEProcess()
+        for x in rng.choice(3, size=400, p=P3):
+            if e.update(_score(int(x))) >= math.log(1 / alpha):
+                crossed += 1
+                break
+    assert crossed <= st.binom.ppf(0.999, runs, alpha), crossed
+
+
+def test_directed_e_process_beats_the_omnibus_on_leakage_toward_the_draft() -> None:
+    """Output leaking 30 % of the way toward the draft, over 12 contexts that share the
+    direction: the directed e-process crosses 1/1e-3 in far fewer samples than the per-context
+    omnibus mixture (which must learn every context on its own)."""
+    rng = np.random.default_rng(16)
+    leak = 0.7 * np.array(P3) + 0.3 * np.array(D3)
+    first: dict[str, list[int]] = {"directed": [], "omnibus": []}
+    for _ in range(20):
+        d, o = stats.DirectedEProcess(), stats.EProcess()
+        nd = no = None
+        for n in range(1, 5001):
+            x = int(rng.choice(3, p=leak))
+            if d.update(_score(x)) >= math.log(1e3) and nd is None:
+                nd = n
+            o.update(n % 12, P3, x)
+            if o.rejects(1e-3) and no is None:
+                no = n
+            if nd and no:
+                break
+        first["directed"].append(nd or 5001)
+        first["omnibus"].append(no or 5001)
+    assert np.median(first["directed"]) * 2 < np.median(first["omnibus"]), first
+
+
+def test_directed_e_process_impossible_token_and_bad_scores() -> None:
+    e = stats.DirectedEProcess()
+    assert e.log_e == 0.0
+    e.update(math.inf)
+    assert math.isinf(e.log_e) and e.log_e > 0
+    with pytest.raises(ValueError, match="score"):
+        stats.DirectedEProcess().update(-1.5)
+    with pytest.raises(ValueError, match="lambdas"):
+        stats.DirectedEProcess([0.0, 0.5])
+    # u = -1 (the draft gives the token 0) zeroes the lambda = 1 member only
+    e = stats.DirectedEProcess([0.5, 1.0])
+    e.update(-1.0)
+    assert e.log_e == pytest.approx(math.log(0.25))
+    assert stats.mixed_log_e(0.0, math.log(3.0)) == pytest.approx(math.log(2.0))
+
+
 def test_e_process_flags_the_example_program_quickly() -> None:
     e = stats.EProcess()
     n = 0

@@ -93,10 +93,10 @@ def render(res: dist.DistResult) -> None:
         )
         note = " (descriptive: the sample size was chosen sequentially)" if e.sequential else ""
         out.print(_table("tests" + note, dist.TEST_HEADERS, dist.test_rows(e)))
+        for line in dist.detail_lines(e, wl.prompt):
+            out.print(f"  {line}", highlight=False)
     out.print()
     out.print(_table("summary", dist.SUMMARY_HEADERS, dist.summary_rows(res)))
-    if any(e.path for e in res.engines):
-        out.print(_table("verification paths", dist.PATH_HEADERS, dist.path_rows(res)))
     if res.not_covered:
         out.print("not covered:", highlight=False)
         for name, why in res.not_covered:

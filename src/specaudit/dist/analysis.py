@@ -238,6 +238,19 @@ def certified_bounds(
 # the directed test: leakage toward the draft
 
 
+def draft_score(truth: Truth, prefix: str, cell: int) -> float:
+    """One token's draft-direction score d~(x)/p(x) - 1 after `prefix` (d~: the draft's
+    distribution restricted to the target's support, renormalised; mean 0 under the target,
+    >= -1). The token must be possible after `prefix`."""
+    p = truth.p(prefix)
+    d = truth.draft_p(prefix)
+    support = p > 0
+    mass = float(d[support].sum())
+    if mass <= 0:
+        return 0.0
+    return float(d[cell] / mass / p[cell] - 1.0)
+
+
 class DraftDirection:
     """The draft-leakage alternative p_lambda = p + lambda (d~ - p) after every prefix, with d~
     the draft's next-token distribution (same sampler) restricted to the target's support and
@@ -311,13 +324,7 @@ class DraftDirection:
 
     def score(self, prefix: str, cell: int) -> float:
         """One token's score d~(x)/p(x) - 1 (the token must be possible after `prefix`)."""
-        p = self.truth.p(prefix)
-        d = self.truth.draft_p(prefix)
-        support = p > 0
-        mass = float(d[support].sum())
-        if mass <= 0:
-            return 0.0
-        return float(d[cell] / mass / p[cell] - 1.0)
+        return draft_score(self.truth, prefix, cell)
 
     def _forward(self, lam: float) -> tuple[float, float, list[float]]:
         """(mean, variance of one sample's score, prefix-averaged TV per position) under
@@ -673,6 +680,7 @@ __all__ = [
     "certified_bounds",
     "conditional_bound",
     "directed_result",
+    "draft_score",
     "draft_direction",
     "evidence_sentence",
     "joint_bound",

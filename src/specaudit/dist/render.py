@@ -126,6 +126,8 @@ def evidence_cell(e: EngineResult) -> str:
     """The number the verdict rests on: e-value (sequential) or smallest Holm p (fixed)."""
     if e.sequential is not None:
         q = e.sequential
+        if q.decided_by == "fixed-look" and q.look_level is not None:
+            return f"fixed tests reject at look level {q.look_level:.2g}"
         ev = math.exp(q.log_e_value) if q.log_e_value < 700 else math.inf
         return f"e = {ev:.3g} (reject at {q.e_threshold:g})"
     return f"min p (Holm) {p_eq(min((x.p_holm for x in e.tests), default=1.0))}"

@@ -153,15 +153,18 @@ class DirectedPower:
 
 @dataclass
 class SequentialResult:
-    decided_by: str  # "e-value", "tv-bound" (WITHIN TOLERANCE) or "max-samples"
+    decided_by: (
+        str  # "e-value", "fixed-look" (BROKEN), "tv-bound" (WITHIN TOLERANCE), "max-samples"
+    )
     samples_used: int  # samples consumed when the decision was made
     samples_drawn: int  # samples the engine produced (in flight when stopped included)
     log_e_value: float
-    e_threshold: float  # 1 / alpha
+    e_threshold: float  # 2 / alpha: the e-process has half of alpha, the looks the other half
     looks: int  # interim TV analyses
     tv_uppers: list[float]  # per position (prefix-averaged next-token TV), then the joint, at
     # the last look
     evidence: list[ImpossibleOutcome] = field(default_factory=list)  # what made e infinite
+    look_level: float | None = None  # decided_by "fixed-look": the level that look rejected at
 
 
 @dataclass

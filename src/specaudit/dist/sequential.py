@@ -1,20 +1,29 @@
 """Sequential analysis: stop as soon as the evidence is decisive.
 
-An anytime-valid e-process decides BROKEN; alpha-spending TV bounds at looks 25, 50, 100, ...
-samples decide WITHIN TOLERANCE: the prefix-averaged next-token TV of every position and the
-joint's TV are certified within the tolerance, but an early stop does not claim that smaller
-deviations would have shown (the fixed-sample test at --seeds would see TV 0.05 where the
-sequential one stops at 200 samples), so it never says PRESERVED. Memory is bounded whatever
-the number of samples: the e-process and the tally of distinct texts are all that is kept.
+BROKEN is decided two ways, each with half of alpha, so the false-alarm rate stays <= alpha:
+an anytime-valid e-process (the average of the omnibus per-context mixture and a directed
+one toward the draft's distribution, crossing 2/alpha), and a group-sequential look: the
+fixed-sample tests (position G-tests, joint, directed score, Holm) at looks 25, 50, 100, 200,
+... samples, each at its alpha-spending share of alpha/2. Why both: the e-process reacts at
+once to gross bugs (a forbidden token is infinite evidence), the looks bring the
+fixed-sample tests' power to small deviations that the e-process learns slowly.
+
+Alpha-spending TV bounds at the same looks decide WITHIN TOLERANCE: the prefix-averaged
+next-token TV of every position and the joint's TV are certified within the tolerance, but an
+early stop does not claim that smaller deviations would have shown (the fixed-sample test at
+--seeds would see TV 0.05 where the sequential one stops at 200 samples), so it never says
+PRESERVED. Memory is bounded whatever the number of samples: the e-processes and the tally of
+distinct texts are all that is kept.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.dist.analysis import Tally, certified_bounds, evidence_sentence
+from specaudit.dist.analysis import Tally, analyze, certified_bounds, draft_score, evidence_sentence
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
@@ -27,7 +36,8 @@ from specaudit.dist.results import (
 from specaudit.dist.truth import Truth, describe, encode_text, stratum_key
 from specaudit.stats import Verdict
 
-SEQUENTIAL_FIRST_LOOK = 25  # interim TV looks at 25, 50, 100, 200, ... samples
+SEQUENTIAL_FIRST_LOOK = 25  # interim looks at 25, 50, 100, 200, ... samples
+E_SHARE = 0.5  # of alpha, to the e-process; the rest is spent over the looks' fixed tests
 
 
 def replay_sequential(
@@ -37,9 +47,12 @@ def replay_sequential(
     *,
     alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE,
+    mc_draws: int = stats.MC_DRAWS,
 ) -> tuple[Verdict, SequentialResult]:
     """The sequential procedure run over samples already drawn (in their order)."""
-    seq = Sequential(Truth(spec, workload), workload, alpha, tolerance, len(samples))
+    seq = Sequential(
+        Truth(spec, workload), workload, alpha, tolerance, len(samples), mc_draws=mc_draws
+    )
     for s in samples:
         if seq.add(replace(s, text=encode_text(s.text, workload.tokens, spec))):
             break
@@ -47,18 +60,32 @@ def replay_sequential(
 
 
 class Sequential:
-    """Anytime-valid stopping: e-process for BROKEN, alpha-spending TV bounds for WITHIN
-    TOLERANCE. Samples must be encoded (`truth.encode_text`)."""
+    """Valid early stopping: e-process or a look's fixed tests for BROKEN (alpha split
+    between them), alpha-spending TV bounds for WITHIN TOLERANCE. Samples must be encoded
+    (`truth.encode_text`)."""
 
     def __init__(
-        self, truth: Truth, workload: Workload, alpha: float, tolerance: float, max_samples: int
+        self,
+        truth: Truth,
+        workload: Workload,
+        alpha: float,
+        tolerance: float,
+        max_samples: int,
+        *,
+        mc_draws: int = stats.MC_DRAWS,
     ) -> None:
+        """`mc_draws`: simulations per Monte-Carlo p-value at a look (any number keeps the
+        looks valid; fewer only coarsens them)."""
         self.truth = truth
         self.workload = workload
         self.alpha = alpha
         self.tolerance = tolerance
         self.max_samples = max_samples
+        self.mc_draws = mc_draws
         self.eproc = stats.EProcess()
+        self.directed = stats.DirectedEProcess()
+        self.e_threshold = 1.0 / (E_SHARE * alpha)
+        self.look_level: float | None = None  # the level of the look that rejected
         self.tally = Tally.of((), workload)  # the TV bounds' data (distinct texts only)
         self.evidence: list[ImpossibleOutcome] = []
         self.looks = 0
@@ -77,19 +104,31 @@ class Sequential:
             p = truth.p(prefix)
             cell = truth.cell(s.text[t - 1])
             self.eproc.update((t, stratum_key(p)), p, cell)
-            if p[cell] <= 0 and len(self.evidence) < EVIDENCE_KEPT:
-                self.evidence.append(
-                    ImpossibleOutcome(s.seed, t, prefix, describe(s.text[t - 1], truth.spec))
-                )
+            if p[cell] > 0:
+                self.directed.update(draft_score(truth, prefix, cell))
+            else:
+                self.directed.update(math.inf)
+                if len(self.evidence) < EVIDENCE_KEPT:
+                    self.evidence.append(
+                        ImpossibleOutcome(s.seed, t, prefix, describe(s.text[t - 1], truth.spec))
+                    )
         self.tally.add(s)
         self.used += 1
         n = self.used
-        if self.eproc.rejects(self.alpha):
+        if self.log_e >= math.log(self.e_threshold):
             self.verdict, self.decided_by = Verdict.BROKEN, "e-value"
             return True
         if n >= self.next_look or n >= self.max_samples:
             self.looks += 1
             self.next_look *= 2
+            level = stats.alpha_spending(self.looks, (1.0 - E_SHARE) * self.alpha)
+            fixed = analyze(
+                truth.spec, self.workload, self.tally, alpha=level, mc_draws=self.mc_draws
+            )
+            if fixed.verdict is Verdict.BROKEN:
+                self.verdict, self.decided_by = Verdict.BROKEN, "fixed-look"
+                self.look_level = level
+                return True
             a = stats.alpha_spending(self.looks, self.alpha)
             self.tv_uppers = [b.upper for b in certified_bounds(truth, self.tally.texts, a)]
             if all(u <= self.tolerance for u in self.tv_uppers):
@@ -97,16 +136,26 @@ class Sequential:
                 return True
         return False
 
+    @property
+    def log_e(self) -> float:
+        """log of the e-process: the average of the omnibus and the directed one."""
+        return stats.mixed_log_e(self.eproc.log_e, self.directed.log_e)
+
+    @property
+    def e_value(self) -> float:
+        return math.exp(self.log_e) if self.log_e < 700 else math.inf
+
     def result(self, drawn: int) -> SequentialResult:
         return SequentialResult(
             decided_by=self.decided_by,
             samples_used=self.used,
             samples_drawn=drawn,
-            log_e_value=self.eproc.log_e,
-            e_threshold=1.0 / self.alpha,
+            log_e_value=self.log_e,
+            e_threshold=self.e_threshold,
             looks=self.looks,
             tv_uppers=self.tv_uppers,
             evidence=list(self.evidence),
+            look_level=self.look_level,
         )
 
     def reason(self) -> str:
@@ -122,8 +171,15 @@ class Sequential:
                     "certainty, p = 0"
                 )
             return (
-                f"e-value {self.eproc.e_value:.3g} >= 1/alpha = {1 / self.alpha:g} after {n} "
-                "samples (anytime-valid)"
+                f"e-value {self.e_value:.3g} >= 2/alpha = {self.e_threshold:g} after {n} "
+                "samples (anytime-valid; omnibus and draft-direction e-processes averaged)"
+            )
+        if self.decided_by == "fixed-look":
+            return (
+                f"after {n} samples (look {self.looks}) the fixed-sample tests reject at the "
+                f"look's spent level {self.look_level:.2g} (group-sequential: alpha/2 spent "
+                f"over looks at {SEQUENTIAL_FIRST_LOOK}, {2 * SEQUENTIAL_FIRST_LOOK}, "
+                f"{4 * SEQUENTIAL_FIRST_LOOK}, ... samples)"
             )
         if self.decided_by == "tv-bound":
             return (
@@ -134,9 +190,9 @@ class Sequential:
                 "would have been seen (the fixed-sample test certifies PRESERVED)"
             )
         return (
-            f"{n} samples (the maximum) without a decision: e-value {self.eproc.e_value:.3g} < "
-            f"{1 / self.alpha:g}, TV up to {max(self.tv_uppers or [1.0]):.3f} not ruled out"
+            f"{n} samples (the maximum) without a decision: e-value {self.e_value:.3g} < "
+            f"{self.e_threshold:g}, TV up to {max(self.tv_uppers or [1.0]):.3f} not ruled out"
         )
 
 
-__all__ = ["SEQUENTIAL_FIRST_LOOK", "Sequential", "replay_sequential"]
+__all__ = ["E_SHARE", "SEQUENTIAL_FIRST_LOOK", "Sequential", "replay_sequential"]
