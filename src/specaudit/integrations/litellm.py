@@ -33,7 +33,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,7 +342,8 @@ class SpecauditRouting(CustomLogger):
     async def async_post_call_failure_deployment_hook(
         self, request_data: Any, exception: Exception, call_type: Any, fallback_depth: Any = None
     ) -> None:
-        base = request_data.get("api_base") if isinstance(request_data, dict) else None
+        # LiteLLM hands a read-only mapping (MappingProxyType), not a dict
+        base = request_data.get("api_base") if isinstance(request_data, Mapping) else None
         if isinstance(base, str) and server_root(base) in self.roles:
             await self.check(server_root(base))
 
