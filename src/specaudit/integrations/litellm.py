@@ -106,17 +106,27 @@ def _kind(request: dict[str, Any]) -> Kind:
     return Kind.CHAT if request.get("messages") is not None else Kind.COMPLETIONS
 
 
-def requested(request: dict[str, Any]) -> int:
-    """Candidates per token the request asks for (llama-server's n_probs); 0: none."""
-    kind = _kind(request)
+def _fields(request: dict[str, Any]) -> dict[str, Any]:
     body = {k: request.get(k) for k in ("logprobs", "top_logprobs", "n_probs")}
-    body = {k: v for k, v in body.items() if v is not None}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def wants(request: dict[str, Any]) -> bool:
+    """The routing rule (`specaudit.proxy.routing.wants_logprobs`): does the request ask for
+    logprobs at all (``logprobs: true``, ``top_logprobs > 0``, ``n_probs > 0``...)?"""
     try:
-        if not wants_logprobs(kind, body):
-            return 0
-        return max(requested_candidates(kind, body), 1)
+        return wants_logprobs(_kind(request), _fields(request))
     except (TypeError, ValueError):
-        return 1  # an odd value still asks for logprobs: treat it as such
+        return True  # an odd value still asks for logprobs: never a speculating deployment
+
+
+def requested(request: dict[str, Any]) -> int:
+    """Candidates per token llama-server computes for the request (its n_probs); 0: none, so
+    there is nothing to check."""
+    try:
+        return max(requested_candidates(_kind(request), _fields(request)), 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +307,7 @@ class SpecauditRouting(CustomLogger):
             request.setdefault("messages", messages)
         roles = await self.roles_of(healthy_deployments)
         pairs = list(zip(healthy_deployments, roles, strict=True))
-        if requested(request):
+        if wants(request):
             self.stats.logprobs_requests += 1
             plain = [d for d, r in pairs if r is not None and r.plain]
             if plain:
@@ -450,4 +460,5 @@ __all__ = [
     "handler",
     "requested",
     "server_root",
+    "wants",
 ]
