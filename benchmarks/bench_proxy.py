@@ -84,8 +84,10 @@ def body(
         b["messages"] = [{"role": "user", "content": prompt}]
     else:
         b["prompt"] = prompt
-    if logprobs:
+    if logprobs and path == "/v1/chat/completions":
         b.update(logprobs=True, top_logprobs=2)
+    elif logprobs:  # the completions endpoint's own form (LiteLLM refuses logprobs: true there)
+        b["logprobs"] = 2
     return json.dumps(b).encode()
 
 

@@ -88,6 +88,12 @@ def test_litellm_proxy_process(
                 assert r.status_code == 200 and _base(r) in specs
             entries, tokens = _stream(c)
             assert tokens == len(entries) == 6 and all(_real(e) for e in entries)
+            text = {"model": "fx", "prompt": "bcdbc", "max_tokens": 6, "logprobs": K}
+            r = c.post("/v1/completions", json=text)
+            assert r.status_code == 200 and _base(r) in plains, r.text
+            assert r.headers["x-specaudit-placeholders"] == "0"
+            content = r.json()["choices"][0]["logprobs"]["content"]
+            assert len(content) == 6 and all(_real(e) for e in content)
 
             # a fleet check on the very file the proxy runs on, all four up
             code, out, err = cli(

@@ -24,7 +24,9 @@ LiteLLM (1.100) has no per-chunk hook for SDK streams (its streaming deployment 
 last chunk only), so the stream check wraps ``CustomStreamWrapper.__anext__`` once, and acts
 only on streams whose request asked for logprobs while a `SpecauditRouting` is registered.
 Only the async paths route (``Router.acompletion``/``atext_completion`` and the proxy): the
-synchronous ``Router.completion`` does not run ``async_filter_deployments``.
+synchronous ``Router.completion`` does not run ``async_filter_deployments``. LiteLLM drops
+every logprob from streamed text completions (``/v1/completions`` with ``stream: true``), so
+those streams carry neither real values nor placeholders; they are routed, not checked.
 """
 
 from __future__ import annotations
@@ -100,6 +102,13 @@ def _set(o: Any, k: str, v: Any) -> None:
         o[k] = v
     else:
         setattr(o, k, v)
+
+
+def _hidden(obj: Any) -> Any:
+    """A response's ``_hidden_params``: a dict (chat) or LiteLLM's `HiddenParams` (text
+    completions), both with ``get`` and item assignment; None otherwise."""
+    h = getattr(obj, "_hidden_params", None)
+    return h if hasattr(h, "get") and hasattr(h, "__setitem__") else None
 
 
 def _kind(request: dict[str, Any]) -> Kind:
@@ -344,8 +353,8 @@ class SpecauditRouting(CustomLogger):
             return None
         tokens, ph = check_response(response, n)
         self._count(request_data, tokens, ph)
-        hidden = getattr(response, "_hidden_params", None)
-        if isinstance(hidden, dict):
+        hidden = _hidden(response)
+        if hidden is not None:
             hidden[HIDDEN_KEY] = ph
         return None
 
@@ -365,10 +374,9 @@ class SpecauditRouting(CustomLogger):
         request_headers: dict[str, str] | None = None,
         litellm_call_info: dict[str, Any] | None = None,
     ) -> dict[str, str] | None:
-        hidden = getattr(response, "_hidden_params", None)
-        if isinstance(hidden, dict) and HIDDEN_KEY in hidden:
-            return {HEADER: str(hidden[HIDDEN_KEY])}
-        return None
+        hidden = _hidden(response)
+        n = hidden.get(HIDDEN_KEY) if hidden is not None else None
+        return {HEADER: str(n)} if isinstance(n, int) else None
 
     def _count(self, request: dict[str, Any], tokens: int, ph: int) -> None:
         self.stats.responses_checked += 1
@@ -420,7 +428,11 @@ def _install_stream_check() -> None:
         if state is None:
             details = getattr(self.logging_obj, "model_call_details", None) or {}
             request = {**(details.get("optional_params") or {}), **details}
-            state = self._specaudit = {"n": requested(request), "tokens": 0, "ph": 0}
+            # LiteLLM drops every logprob from text-completion streams before this point:
+            # nothing reaches the caller to check (or to mistake for real)
+            text = "text_completion" in str(getattr(self.logging_obj, "call_type", ""))
+            n = 0 if text else requested(request)
+            state = self._specaudit = {"n": n, "tokens": 0, "ph": 0}
             state["request"] = request
         if state["n"]:
             tokens, ph = check_chunk(chunk, state["n"])
@@ -428,8 +440,8 @@ def _install_stream_check() -> None:
             state["ph"] += ph
             handler.stats.tokens_checked += tokens
             handler.stats.placeholders += ph
-            hidden = getattr(chunk, "_hidden_params", None)
-            if isinstance(hidden, dict):
+            hidden = _hidden(chunk)
+            if hidden is not None:
                 hidden[HIDDEN_KEY] = state["ph"]
         return chunk
 
