@@ -408,6 +408,50 @@ def bench(
     return rows
 
 
+def callback_cost(plain: str, spec: str, n: int = 2000) -> str:
+    """CPU microseconds of the specaudit LiteLLM callback's own work per request, in-process:
+    the deployment filter (roles known) and the check of a real logprobs response."""
+    import litellm
+    from litellm import Router
+
+    from specaudit.integrations.litellm import SpecauditRouting
+
+    h = SpecauditRouting()
+    saved = list(litellm.callbacks)
+    litellm.callbacks = [h]
+    deps = [
+        {
+            "model_name": "fx",
+            "litellm_params": {"model": "openai/fixture", "api_base": u + "/v1", "api_key": "none"},
+        }
+        for u in (plain, spec)
+    ]
+    router = Router(model_list=deps)
+    req = {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2}
+
+    async def go() -> tuple[float, float]:
+        resp = await router.acompletion(model="fx", max_tokens=MAX_TOKENS, **req)
+        kw = {**req, "api_base": plain + "/v1"}
+        c0 = time.process_time()
+        for _ in range(n):
+            await h.async_filter_deployments("fx", deps, req["messages"], req)
+        c1 = time.process_time()
+        for _ in range(n):
+            await h.async_post_call_success_deployment_hook(kw, resp, None)
+        c2 = time.process_time()
+        h._task and h._task.cancel()
+        return (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6
+
+    try:
+        f, c = asyncio.run(go())
+    finally:
+        litellm.callbacks = saved
+    return (
+        f"specaudit LiteLLM callback, in-process CPU per request: deployment filter {f:.0f} us, "
+        f"check of an {MAX_TOKENS}-token chat response with logprobs {c:.0f} us"
+    )
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -455,6 +499,8 @@ def main() -> None:
             spec, targets, "default", False, [1, 16, 64], args.rounds, args.scale, args.path
         )
         rows += bench(plain, targets, "logprobs", True, [16], args.rounds, args.scale, args.path)
+        if not args.no_litellm:
+            print(callback_cost(plain.url, spec.url), flush=True)
     if args.gemma:
         with gemma_servers() as (gplain, gspec), proxy_process(gplain.url, gspec.url) as gpx:
             rows += bench(
