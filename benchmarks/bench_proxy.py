@@ -411,6 +411,8 @@ def bench(
 def callback_cost(plain: str, spec: str, n: int = 2000) -> str:
     """CPU microseconds of the specaudit LiteLLM callback's own work per request, in-process:
     the deployment filter (roles known) and the check of a real logprobs response."""
+    for k, v in LITELLM_ENV.items():
+        os.environ.setdefault(k, v)
     import litellm
     from litellm import Router
 

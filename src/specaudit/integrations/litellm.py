@@ -39,7 +39,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from litellm.integrations.custom_logger import CustomLogger
+try:
+    from litellm.integrations.custom_logger import CustomLogger
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "specaudit.integrations.litellm needs LiteLLM: pip install 'specaudit[litellm]'"
+    ) from e
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, ClientError
