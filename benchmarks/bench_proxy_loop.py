@@ -1,8 +1,9 @@
 """Does uvloop lower `specaudit proxy`'s CPU per request? Two proxy processes (the stock
 asyncio loop, uvloop's policy) in front of the same fixture servers, alternating rounds, CPU
-read from /proc. uvloop is not a dependency: install it into the venv to run this.
+read from /proc. uvloop comes with the litellm extra (LiteLLM's proxy depends on it);
+specaudit proxy itself does not use it.
 
-    .venv/bin/pip install uvloop && .venv/bin/python benchmarks/bench_proxy_loop.py [--rounds 4]
+    .venv/bin/python benchmarks/bench_proxy_loop.py [--rounds 4]
 
 Result and reading: docs/proxy.md (Benchmark, "uvloop, re-measured").
 """
@@ -73,7 +74,7 @@ def main() -> None:
     try:
         import uvloop  # noqa: F401
     except ImportError:
-        sys.exit("needs uvloop: .venv/bin/pip install uvloop")
+        sys.exit("needs uvloop (the litellm extra installs it): ./run test --co -q")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()

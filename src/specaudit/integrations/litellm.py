@@ -316,6 +316,8 @@ class SpecauditRouting(CustomLogger):
         request_kwargs: dict | None = None,
         parent_otel_span: Any = None,
     ) -> list[dict]:
+        if not isinstance(healthy_deployments, list) or not healthy_deployments:
+            return healthy_deployments  # a pinned deployment (dict) or none: nothing to choose
         request = dict(request_kwargs or {})
         if messages is not None:
             request.setdefault("messages", messages)
