@@ -10,7 +10,8 @@ deployment returned placeholders, else NO_DECISION when any could not be decided
 A LiteLLM config lists deployments under ``model_list``; each one's
 ``litellm_params.api_base`` (and ``api_key``, both possibly ``os.environ/NAME``) is what is
 checked. A deployment without ``api_base`` (a hosted provider) cannot be probed: it is listed
-as ``skipped`` with the reason, never counted as checked.
+as ``skipped`` with the reason, never counted as checked; one whose values name an unset
+environment variable is that deployment's "no decision" (exit 2), not the whole file's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Deployment:
     url: str | None  # server root (an ``api_base`` without its ``/v1``); None: cannot probe
     api_key: str | None = field(default=None, repr=False)
     model: str | None = None  # the "model" field to send (LiteLLM's model without provider/)
-    skip_reason: str | None = None
+    skip_reason: str | None = None  # not a server specaudit can probe (hosted): not counted
+    error: str | None = None  # a self-hosted one that cannot be reached as configured
 
 
 @dataclass
@@ -124,12 +126,19 @@ def read_litellm_config(path: Path) -> list[Deployment]:
         params = entry.get("litellm_params")
         if not isinstance(name, str) or not isinstance(params, dict):
             raise check.CheckError(f"{where} needs model_name and litellm_params")
-        model = _resolve(params.get("model"), f"{where}.litellm_params.model")
-        api_base = _resolve(params.get("api_base"), f"{where}.litellm_params.api_base")
-        api_key = _resolve(params.get("api_key"), f"{where}.litellm_params.api_key")
+        if params.get("api_base") is None:
+            out.append(Deployment(name, None, skip_reason="no api_base: not a self-hosted server"))
+            continue
+        try:
+            model = _resolve(params.get("model"), f"{where}.litellm_params.model")
+            api_base = _resolve(params.get("api_base"), f"{where}.litellm_params.api_base")
+            api_key = _resolve(params.get("api_key"), f"{where}.litellm_params.api_key")
+        except check.CheckError as e:  # e.g. an os.environ/NAME that is unset here
+            out.append(Deployment(name, None, error=str(e)))
+            continue
         short = model.split("/", 1)[1] if model and "/" in model else model
         if not api_base:
-            out.append(Deployment(name, None, skip_reason="no api_base: not a self-hosted server"))
+            out.append(Deployment(name, None, error=f"{where}.litellm_params.api_base is empty"))
             continue
         url = validate.url(
             server_root(api_base), f"{where}.litellm_params.api_base", check.CheckError
@@ -148,6 +157,11 @@ CheckFn = Callable[..., check.CheckResult]
 
 
 def _one(dep: Deployment, kwargs: dict[str, Any], check_fn: CheckFn) -> DeploymentCheck:
+    if dep.url is None and dep.error is not None:
+        return DeploymentCheck(
+            dep.name, None, "no decision", "unknown", "", None, None, False, None, None,
+            Outcome.NO_DECISION, Outcome.NO_DECISION.exit_code, dep.error,
+        )  # fmt: skip
     if dep.url is None:
         return DeploymentCheck(
             dep.name, None, "skipped", "unknown", dep.skip_reason or "", None, None, False,

@@ -45,7 +45,6 @@ def test_reads_every_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         ("general_settings: {}\n", "has no model_list"),
         ("model_list: [3]\n", "is not a mapping"),
         ("model_list: [{model_name: x}]\n", "needs model_name and litellm_params"),
-        (GOOD, "FLEET_KEY, which is unset"),
         ("model_list: [{model_name: x, litellm_params: {api_base: 'ftp://h'}}]\n", "http(s) URL"),
     ],
 )
@@ -60,6 +59,18 @@ def test_bad_configs_are_one_line_exit_2(
     code, out, err = cli("check", "--litellm-config", str(cfg))
     assert code == 2 and out == "" and err.startswith("error: ") and len(err.splitlines()) == 1
     assert needle in err
+
+
+def test_unset_key_is_that_deployments_no_decision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLEET_KEY", raising=False)
+    (tmp_path / "c.yaml").write_text(GOOD)
+    deps = fleet.read_litellm_config(tmp_path / "c.yaml")
+    assert deps[0].url is None and deps[0].error and "FLEET_KEY, which is unset" in deps[0].error
+    assert deps[1].url == "http://127.0.0.1:8080" and deps[2].skip_reason
+    row = fleet._one(deps[0], {}, lambda *a, **k: None)  # type: ignore[arg-type,return-value]
+    assert row.status == "no decision" and row.exit_code == 2 and "unset" in row.reason
 
 
 def test_missing_file_and_no_url(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
