@@ -1,7 +1,16 @@
 """What `specaudit proxy` costs: added latency (p50, p99) and throughput against a direct
-connection to the same fixture llama-server, at concurrency 1, 16 and 64, streamed and not.
+connection to the same fixture llama-server, at concurrency 1, 16 and 64, streamed and not;
+and, in the same run, LiteLLM's proxy with the specaudit callback and LiteLLM alone.
 
-    .venv/bin/python benchmarks/bench_proxy.py [--rounds 3] [--scale 1.0] [--threads 1] [--gemma]
+    .venv/bin/python benchmarks/bench_proxy.py [--rounds 3] [--scale 1.0] [--threads 1]
+        [--gemma] [--no-litellm] [--litellm-scale 0.1]
+
+Targets (the `target` column): ``specaudit`` = `specaudit proxy`; ``litellm+sa`` = the
+``litellm`` proxy process with ``specaudit.integrations.litellm.handler`` in its config.yaml,
+one model group holding both servers (the callback routes); ``litellm`` = the same process
+without the callback, one model group per server (so it reaches the same backend as the
+others). LiteLLM is far slower, so it gets `--litellm-scale` times the requests (throughput is
+a rate; its latency percentiles rest on fewer samples).
 
 The proxy runs as its own process (`specaudit proxy`, as a user would run it) in front of a
 plain and a speculating fixture llama-server; the load generator is an aiohttp client in this
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -61,15 +71,23 @@ class Run:
 
 
 def body(
-    path: str, stream: bool, logprobs: bool, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS
+    path: str,
+    stream: bool,
+    logprobs: bool,
+    prompt: str = PROMPT,
+    max_tokens: int = MAX_TOKENS,
+    model: str = "fixture",
 ) -> bytes:
     b: dict[str, object] = {"max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
+    b["model"] = model  # llama-server and specaudit proxy ignore it; LiteLLM routes on it
     if path == "/v1/chat/completions":
         b["messages"] = [{"role": "user", "content": prompt}]
     else:
         b["prompt"] = prompt
-    if logprobs:
+    if logprobs and path == "/v1/chat/completions":
         b.update(logprobs=True, top_logprobs=2)
+    elif logprobs:  # the completions endpoint's own form (LiteLLM refuses logprobs: true there)
+        b["logprobs"] = 2
     return json.dumps(b).encode()
 
 
@@ -239,6 +257,68 @@ def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterato
             proc.wait()
 
 
+@dataclass(frozen=True)
+class Target:
+    """A proxy in front of the two servers: its URL, its pid (for CPU) and the model names."""
+
+    name: str
+    url: str
+    pid: int
+    model_default: str = "fixture"
+    model_logprobs: str = "fixture"
+    scale: float = 1.0  # request count factor
+
+
+LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
+
+
+@contextmanager
+def litellm_process(tmp: Path, name: str, groups: dict[str, list[str]], callback: bool):
+    """``litellm --config`` (one worker) in front of the servers; yields (url, pid)."""
+    lines = ["model_list:"]
+    for group, urls in groups.items():
+        for u in urls:
+            lines += [
+                f"  - model_name: {group}",
+                f"    litellm_params: {{model: openai/fixture, api_base: {u}/v1, api_key: none}}",
+            ]
+    if callback:
+        lines += ["litellm_settings:", "  callbacks: specaudit.integrations.litellm.handler"]
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    port = free_port()
+    exe = Path(sys.executable).with_name("litellm")
+    proc = subprocess.Popen(
+        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **LITELLM_ENV},
+        preexec_fn=_pdeathsig,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"litellm exited {proc.returncode}")
+            try:
+                if httpx.get(url + "/health/liveliness", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("litellm did not come up")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class Row:
     label: str
@@ -246,6 +326,7 @@ class Row:
     stream: bool
     direct: list[Run]
     proxied: list[Run]
+    target: str = "specaudit"
 
     def pooled(self, runs: list[Run]) -> list[float]:
         return [x for r in runs for x in r.latencies]
@@ -260,8 +341,9 @@ class Row:
         cpu_d = sum(r.cpu for r in self.direct) / nd * 1e6
         cpu_p = sum(r.cpu for r in self.proxied) / np_ * 1e6
         cpu_px = sum(r.proxy_cpu for r in self.proxied) / np_ * 1e6
+        mode = "stream" if self.stream else "json"
         return (
-            f"{self.label:9} {'stream' if self.stream else 'json':6} {self.conc:>4} "
+            f"{self.target:10} {self.label:9} {mode:6} {self.conc:>4} "
             f"{d50 * 1e3:8.2f} {p50 * 1e3:8.2f} {(p50 - d50) * 1e3:+8.2f} "
             f"{d99 * 1e3:8.2f} {p99 * 1e3:8.2f} {(p99 - d99) * 1e3:+8.2f} "
             f"{drps:8.0f} {prps:8.0f} {prps / drps:6.3f} "
@@ -270,7 +352,7 @@ class Row:
 
 
 HEADER = (
-    f"{'route':9} {'mode':6} {'conc':>4} {'d p50':>8} {'p p50':>8} {'+p50':>8} "
+    f"{'target':10} {'route':9} {'mode':6} {'conc':>4} {'d p50':>8} {'p p50':>8} {'+p50':>8} "
     f"{'d p99':>8} {'p p99':>8} {'+p99':>8} {'d rps':>8} {'p rps':>8} {'ratio':>6} "
     f"{'d cpu':>7} {'p cpu':>7} {'px cpu':>7} {'err':>4}"
 )
@@ -284,7 +366,7 @@ LEGEND = (
 
 def bench(
     direct: LlamaServer,
-    proxy: tuple[str, int],
+    targets: list[Target],
     label: str,
     logprobs: bool,
     concs: list[int],
@@ -295,27 +377,81 @@ def bench(
     prompt: str = PROMPT,
     max_tokens: int = MAX_TOKENS,
 ) -> list[Row]:
-    direct_url, (proxy_url, proxy_pid) = direct.url, proxy
+    """Each cell: direct and every target alternating, `rounds` times (one shared baseline
+    per target: direct is measured next to each target with that target's request count)."""
+    direct_url = direct.url
     assert direct.proc is not None
     spid = direct.proc.pid
     rows = []
     for stream in (False, True):
-        payload = body(path, stream, logprobs, prompt, max_tokens)
         for conc in concs:
-            n = max(conc * 2, int((counts or COUNTS).get(conc, 800) * scale))
-            row = Row(label, conc, stream, [], [])
-            # warm both paths (connections, caches) before measuring
-            warm = min(n, 64 if counts is None else conc)
-            asyncio.run(load(direct_url, path, payload, warm, conc, stream))
-            asyncio.run(load(proxy_url, path, payload, warm, conc, stream))
-            for _ in range(rounds):
-                row.direct.append(measured(direct_url, path, payload, n, conc, stream, spid, None))
-                row.proxied.append(
-                    measured(proxy_url, path, payload, n, conc, stream, spid, proxy_pid)
-                )
-            print(row.line(), flush=True)
-            rows.append(row)
+            n0 = int((counts or COUNTS).get(conc, 800) * scale)
+            for t in targets:
+                n = max(conc * 2, int(n0 * t.scale))
+                model = t.model_logprobs if logprobs else t.model_default
+                payload = body(path, stream, logprobs, prompt, max_tokens)
+                tpayload = body(path, stream, logprobs, prompt, max_tokens, model)
+                row = Row(label, conc, stream, [], [], t.name)
+                # warm both paths (connections, caches) before measuring
+                warm = min(n, 64 if counts is None else conc)
+                asyncio.run(load(direct_url, path, payload, warm, conc, stream))
+                asyncio.run(load(t.url, path, tpayload, warm, conc, stream))
+                for _ in range(rounds):
+                    row.direct.append(
+                        measured(direct_url, path, payload, n, conc, stream, spid, None)
+                    )
+                    row.proxied.append(
+                        measured(t.url, path, tpayload, n, conc, stream, spid, t.pid)
+                    )
+                print(row.line(), flush=True)
+                rows.append(row)
     return rows
+
+
+def callback_cost(plain: str, spec: str, n: int = 2000) -> str:
+    """CPU microseconds of the specaudit LiteLLM callback's own work per request, in-process:
+    the deployment filter (roles known) and the check of a real logprobs response."""
+    for k, v in LITELLM_ENV.items():
+        os.environ.setdefault(k, v)
+    import litellm
+    from litellm import Router
+
+    from specaudit.integrations.litellm import SpecauditRouting
+
+    h = SpecauditRouting()
+    saved = list(litellm.callbacks)
+    litellm.callbacks = [h]
+    deps = [
+        {
+            "model_name": "fx",
+            "litellm_params": {"model": "openai/fixture", "api_base": u + "/v1", "api_key": "none"},
+        }
+        for u in (plain, spec)
+    ]
+    router = Router(model_list=deps)
+    req = {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2}
+
+    async def go() -> tuple[float, float]:
+        resp = await router.acompletion(model="fx", max_tokens=MAX_TOKENS, **req)
+        kw = {**req, "api_base": plain + "/v1"}
+        c0 = time.process_time()
+        for _ in range(n):
+            await h.async_filter_deployments("fx", deps, req["messages"], req)
+        c1 = time.process_time()
+        for _ in range(n):
+            await h.async_post_call_success_deployment_hook(kw, resp, None)
+        c2 = time.process_time()
+        h._task and h._task.cancel()
+        return (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6
+
+    try:
+        f, c = asyncio.run(go())
+    finally:
+        litellm.callbacks = saved
+    return (
+        f"specaudit LiteLLM callback, in-process CPU per request: deployment filter {f:.0f} us, "
+        f"check of an {MAX_TOKENS}-token chat response with logprobs {c:.0f} us"
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -333,6 +469,10 @@ def main() -> None:
         action="store_true",
         help="also compare on Gemma 3 270M (a real model: slower requests)",
     )
+    ap.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM rows")
+    ap.add_argument(
+        "--litellm-scale", type=float, default=0.1, help="LiteLLM's share of the request count"
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # clean up servers and proxy on SIGTERM too
     t0 = time.monotonic()
@@ -341,20 +481,33 @@ def main() -> None:
         f"{args.rounds} rounds, {args.threads} decode thread(s) per server, "
         f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f}"
     )
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        fixture_servers(Path(tmp), args.threads) as (plain, spec),
-        proxy_process(plain.url, spec.url) as px,
-    ):
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        plain, spec = stack.enter_context(fixture_servers(tmp, args.threads))
+        px_url, px_pid = stack.enter_context(proxy_process(plain.url, spec.url))
+        targets = [Target("specaudit", px_url, px_pid)]
+        if not args.no_litellm:
+            groups = {"fx": [plain.url, spec.url]}
+            lsa = stack.enter_context(litellm_process(tmp, "litellm-sa", groups, True))
+            alone = {"fx-spec": [spec.url], "fx-plain": [plain.url]}
+            lal = stack.enter_context(litellm_process(tmp, "litellm", alone, False))
+            targets += [
+                Target("litellm+sa", *lsa, "fx", "fx", args.litellm_scale),
+                Target("litellm", *lal, "fx-spec", "fx-plain", args.litellm_scale),
+            ]
         print(LEGEND)
         print(HEADER)
-        rows = bench(spec, px, "default", False, [1, 16, 64], args.rounds, args.scale, args.path)
-        rows += bench(plain, px, "logprobs", True, [16], args.rounds, args.scale, args.path)
+        rows = bench(
+            spec, targets, "default", False, [1, 16, 64], args.rounds, args.scale, args.path
+        )
+        rows += bench(plain, targets, "logprobs", True, [16], args.rounds, args.scale, args.path)
+        if not args.no_litellm:
+            print(callback_cost(plain.url, spec.url), flush=True)
     if args.gemma:
         with gemma_servers() as (gplain, gspec), proxy_process(gplain.url, gspec.url) as gpx:
             rows += bench(
                 gspec,
-                gpx,
+                [Target("specaudit", *gpx)],
                 "gemma",
                 False,
                 [1, 4],
@@ -365,6 +518,7 @@ def main() -> None:
                 prompt="Explain how a CPU branch predictor works.",
                 max_tokens=16,
             )
+    rows = [r for r in rows if r.target == "specaudit"]  # the goals are specaudit proxy's
     worst99 = max(pct(r.pooled(r.proxied), 99) - pct(r.pooled(r.direct), 99) for r in rows)
     worst_ratio = min(
         statistics.median(x.rps for x in r.proxied) / statistics.median(x.rps for x in r.direct)

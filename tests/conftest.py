@@ -9,12 +9,16 @@ installed entry point as a process (signals, start-up imports) uses `subprocess`
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import pytest
 from click.testing import CliRunner
+
+# LiteLLM fetches its model price map from the internet when imported; the tests never need it
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 class CliRun(NamedTuple):

@@ -1,8 +1,10 @@
-"""`specaudit check URL`: are a running server's logprobs real, and does it speculate?"""
+"""`specaudit check URL [URL...] [--litellm-config FILE]`: are a running server's logprobs real,
+and does it speculate? One URL: the per-endpoint report; several (or a LiteLLM config): one
+row per deployment (`specaudit.fleet`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +14,7 @@ from specaudit.cli.common import (
     API_KEY,
     TEXT,
     URL,
+    SafePath,
     emit_json,
     json_option,
     out,
@@ -25,19 +28,37 @@ from specaudit.cli.common import (
 from specaudit.outcome import EXIT_TAIL_HELP
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from specaudit.check import CheckResult
+    from specaudit.fleet import FleetResult
 
 CHECK_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  every logprob is real (candidates came back for every token)\n"
     "  1  placeholders found: k candidates requested, none returned\n"
     "  2  no decision: unreachable server, HTTP errors, non-JSON answers, not an LLM\n"
-    "     server, no logprobs at all, or bad options\n" + EXIT_TAIL_HELP
+    "     server, no logprobs at all, or bad options\n"
+    "  Several deployments: 1 if any returns placeholders, else 2 if any gave no decision.\n"
+    + EXIT_TAIL_HELP
 )
 
 
 @click.command("check", epilog=CHECK_EXIT_HELP)
-@click.argument("url", type=URL)
+@click.argument("urls", metavar="URL...", nargs=-1, type=URL)
+@click.option(
+    "--litellm-config",
+    type=SafePath(exists=True, dir_okay=False),
+    default=None,
+    help="Check every deployment (litellm_params.api_base) of this LiteLLM config.yaml.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="Deployments checked at once (several URLs or --litellm-config).",
+)
 @top_k_option()
 @tokens_option(default=24, min_value=2, help="Tokens to generate per request.")
 @click.option(
@@ -71,7 +92,9 @@ CHECK_EXIT_HELP = (
 )
 @json_option
 def command(
-    url: str,
+    urls: tuple[str, ...],
+    litellm_config: Path | None,
+    concurrency: int,
     top_k: int,
     tokens: int,
     endpoint: str,
@@ -87,6 +110,9 @@ def command(
 ) -> None:
     """Check whether the logprobs a server at URL returns are real.
 
+    Several URLs, or --litellm-config FILE, check a fleet: every deployment concurrently, one
+    table (deployment, speculates per /slots and /props, placeholders, exit).
+
     Asks for TOP_K candidates per token on each endpoint, non-streamed and streamed, and
     classifies every token: real (candidates came back) or placeholder (none came back: a
     speculating llama-server sends logprob 0.0 / prob 1.0, or in streams no entry at all).
@@ -96,8 +122,23 @@ def command(
     """
     from specaudit import check
 
+    kwargs = dict(
+        top_k=top_k,
+        tokens=tokens,
+        endpoint=endpoint,
+        prompt=prompt,
+        seed=seed,
+        temperature=temperature,
+        stream=stream,
+        model=model,
+        timeout=timeout,
+    )
+    if not urls and litellm_config is None:
+        raise click.UsageError("Missing argument 'URL' (one or more, or --litellm-config FILE).")
+    if litellm_config is not None or len(urls) > 1:
+        _fleet(urls, litellm_config, concurrency, api_key, kwargs, as_json)
     result = check.run(
-        url,
+        urls[0],
         top_k=top_k,
         tokens=tokens,
         endpoint=endpoint,
@@ -114,6 +155,58 @@ def command(
     else:
         render(result, tokens_tables=not summary)
     raise SystemExit(result.exit_code)
+
+
+def _fleet(
+    urls: tuple[str, ...],
+    config: Path | None,
+    concurrency: int,
+    api_key: str | None,
+    kwargs: dict[str, Any],
+    as_json: bool,
+) -> None:
+    from specaudit import fleet
+
+    deps = [fleet.Deployment(u, u, api_key) for u in urls]
+    if config is not None:
+        deps += fleet.read_litellm_config(config)
+    result = fleet.run(deps, concurrency=concurrency, **kwargs)
+    if as_json:
+        emit_json(result)
+    else:
+        render_fleet(result)
+    raise SystemExit(result.exit_code)
+
+
+def render_fleet(result: FleetResult) -> None:
+    """One row per deployment; the /slots vs /props line under the table."""
+    from rich.table import Table
+
+    t = Table(title=f"check: {len(result.deployments)} deployments", title_justify="left")
+    named = any(d.name != d.url for d in result.deployments)  # URLs alone: one column
+    heads = ("deployment", *(("url",) if named else ()), "speculates", "/slots", "/props")
+    for h in (*heads, "placeholders", "exit"):
+        t.add_column(h, justify="right" if h in ("placeholders", "exit") else "left")
+    for d in result.deployments:
+        spec = d.speculates + (" (hidden)" if d.hidden else "")
+        t.add_row(
+            d.name,
+            *((d.url or "-",) if named else ()),
+            spec if d.status == "checked" else d.status,
+            d.slots or "-",
+            d.props_types or "-",
+            "-" if d.placeholders is None else f"{d.placeholders}/{d.placeholders + (d.real or 0)}",
+            "-" if d.exit_code is None else str(d.exit_code),
+            style="red" if d.placeholders else ("yellow" if d.status != "checked" else None),
+        )
+    out.print(t)
+    for d in result.deployments:
+        if d.status != "checked":
+            out.print(f"{d.name}: {d.status}: {d.reason}", highlight=False)
+    colour = "red" if result.exit_code else "green"
+    out.print(
+        f"[bold {colour}]verdict: {result.outcome.value}[/] - {result.reason}", highlight=False
+    )
 
 
 def to_json(result: CheckResult) -> dict[str, object]:
