@@ -22,6 +22,8 @@ Imports of torch and transformers happen on first use: a plain install stays lig
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +99,6 @@ class Models:
     def __init__(self, fs: fixtures.FixtureSet) -> None:
         versions()
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
@@ -106,19 +107,30 @@ class Models:
         self.fs = fs
         d = str(fs.dir)
         try:
-            self.target = AutoModelForCausalLM.from_pretrained(
-                d, gguf_file=fixtures.TARGET_FILE, dtype=torch.float32
-            ).eval()
-            self.draft = AutoModelForCausalLM.from_pretrained(
-                d, gguf_file=fixtures.DRAFT_FILE, dtype=torch.float32
-            ).eval()
-            self.tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=fixtures.TARGET_FILE)
+            with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader's own tqdm bar
+                self.target, self.draft, self.tokenizer = self._load(d)
         except Exception as e:  # transformers raises many kinds; one line says which
             raise DistError(
                 f"transformers could not load fixture {fs.spec.name!r} from {d}: "
                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             ) from None
-        spec = fs.spec
+        self._check_tokenizer()
+
+    @staticmethod
+    def _load(d: str) -> tuple[Any, Any, Any]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=fixtures.TARGET_FILE, dtype=torch.float32
+        ).eval()
+        draft = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=fixtures.DRAFT_FILE, dtype=torch.float32
+        ).eval()
+        return target, draft, AutoTokenizer.from_pretrained(d, gguf_file=fixtures.TARGET_FILE)
+
+    def _check_tokenizer(self) -> None:
+        spec = self.fs.spec
         ids = self.tokenizer(spec.prompt, add_special_tokens=False).input_ids
         if list(ids) != spec.tokenize(spec.prompt):
             raise DistError(
