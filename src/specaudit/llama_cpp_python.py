@@ -138,7 +138,8 @@ class LlamaCppPythonServer:
     """``python -m llama_cpp.server`` on a GGUF, ready when `__enter__` returns.
 
     `draft`: ``prompt-lookup-decoding`` (llama-cpp-python's only speculative mode) or None.
-    One thread, a context of `n_ctx`, `logits_all` (its completions need it for logprobs).
+    One thread, a context of `n_ctx`, `logits_all` (its completions need it for logprobs);
+    `f32_cache`: an f32 KV cache (the context fixture's policy, `presets`).
     """
 
     def __init__(
@@ -151,12 +152,14 @@ class LlamaCppPythonServer:
         log_path: Path | None = None,
         startup_timeout: float = 120.0,
         python: str = sys.executable,
+        f32_cache: bool = False,
     ) -> None:
         self.model = Path(model)
         self.draft = draft
         self.pred_tokens = pred_tokens
         self.n_ctx = n_ctx
         self.python = python
+        self.f32_cache = f32_cache
         self.startup_timeout = startup_timeout
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="llama-cpp-python-")[1])
         self.port = 0
@@ -174,6 +177,8 @@ class LlamaCppPythonServer:
             "--n_ctx", str(self.n_ctx), "--n_threads", "1", "--n_threads_batch", "1",
             "--logits_all", "true", "--verbose", "false",
         ]  # fmt: skip
+        if self.f32_cache:  # GGML_TYPE_F32: the context fixture is exact in f32 (presets)
+            out += ["--type_k", "0", "--type_v", "0"]
         if self.draft:
             out += ["--draft_model", self.draft]
             out += ["--draft_model_num_pred_tokens", str(self.pred_tokens)]
