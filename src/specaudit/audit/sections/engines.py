@@ -18,7 +18,7 @@ from specaudit.outcome import Outcome
 from specaudit.report import md_table
 from specaudit.stats import Verdict
 
-SEEDS = 1000  # the most any engine samples; sequential mode stops when decided
+SEEDS = 2000  # the most any engine samples; sequential mode stops when decided (~1000)
 HEADERS = (
     "engine",
     "generator",
@@ -67,13 +67,10 @@ def run_engines(
         out.append(("transformers", "", r))
     ctx.progress("engines: llama-server via /v1/completions")
     srv = ctx.server("fixture-spec")
-    out.append(
-        (
-            "openai",
-            "llama-server draft-simple",
-            dist.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True),
-        )
-    )
+    r = dist.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True)
+    for e in r.engines:
+        e.engine = "llama-server (openai)"
+    out.append(("openai", "llama-server draft-simple", r))
     lcp.install()
     chk: check.CheckResult | None = None
     for fs in (ctx.fixture, ctx.context_fixture):
