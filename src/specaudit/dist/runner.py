@@ -465,12 +465,8 @@ def run(
             )  # fmt: skip
             results.append(measure(ex, fs.spec, wl, seed_list, **kw))
         elif name in URL_ENGINES:
-            results.append(
-                measure(
-                    _url_engine(name, url_list(url), fs.spec, wl, concurrency, timeout),
-                    fs.spec, wl, seed_list, **kw,
-                )  # fmt: skip
-            )
+            url_eng = _url_engine(name, url_list(url), fs.spec, wl, concurrency, timeout)
+            results.append(measure(url_eng, fs.spec, wl, seed_list, **kw))
         else:
             from specaudit.dist import hf
 
