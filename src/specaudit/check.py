@@ -57,6 +57,13 @@ ENDPOINT_GROUPS: dict[str, tuple[str, ...]] = {
     "native": ("native", "native-post"),
     "all": PROBE_KINDS,
 }
+# Said where nothing tells whether the server speculates (no /slots, no draft counts):
+# llama-cpp-python's prompt lookup, for one, speculates without saying so (docs/engines.md).
+SILENT_SPECULATION = (
+    " and no draft counts; it may speculate without saying so (llama-cpp-python's prompt "
+    "lookup does): the logprob verdict reads each token's own candidates and holds either "
+    "way; `specaudit dist --engine openai` tests its sampling distribution"
+)
 # Answers that mean "this endpoint does not exist here" rather than "it failed".
 ABSENT_STATUS = (404, 405, 501)
 
@@ -336,7 +343,7 @@ def _summarise(spec: Speculation) -> None:
             spec.state = "yes"
             spec.summary = f"speculates: {spec.slots_note}, but{drafted[1:]}"
         else:
-            spec.summary = f"unknown: {spec.slots_note}"
+            spec.summary = f"unknown: {spec.slots_note}{SILENT_SPECULATION}"
         spec.hidden = spec.state == "yes" and speculation.claims_none(spec.props_types)
         return
     slots_txt = f"/slots says {spec.slots_speculative}/{spec.slots_total} slots speculate"

@@ -97,6 +97,8 @@ def render(res: dist.DistResult) -> None:
             out.print(f"  {line}", highlight=False)
     out.print()
     out.print(_table("summary", dist.SUMMARY_HEADERS, dist.summary_rows(res)))
+    for note in res.notes:
+        out.print(note, highlight=False)
     if res.not_covered:
         out.print("not covered:", highlight=False)
         for name, why in res.not_covered:
@@ -127,10 +129,28 @@ def _known_patches(
     help="Engine(s) to test, repeatable [default: server and speculative-example]. server: "
     "llama-servers spawned on the fixture, one per verification path (--path); "
     "speculative-example: "
-    "llama.cpp's llama-speculative, one process per seed; url: a running server (--url).",
+    "llama.cpp's llama-speculative, one process per seed; url: a running llama-server (--url); "
+    "openai: a running OpenAI-compatible server (--url, /v1/completions); transformers: "
+    "Hugging Face generate() with speculative decoding on CPU (--generator; needs "
+    "specaudit[transformers]).",
 )
 @click.option(
-    "--url", type=URL, help="Base URL of a llama-server-compatible server (--engine url)."
+    "--url",
+    "urls",
+    type=URL,
+    multiple=True,
+    help="Base URL of a running server (--engine url: llama-server's native /completion; "
+    "--engine openai: any /v1/completions server). Repeatable: identical servers share the "
+    "seeds.",
+)
+@choice_option(
+    "--generator",
+    param="generators",
+    choices=dist.hf.GENERATORS,
+    multiple=True,
+    help="Candidate generator(s) of --engine transformers, repeatable [default: all]: "
+    + "; ".join(f"{g}: {h}" for g, h in dist.hf.GENERATOR_HELP.items())
+    + ".",
 )
 @click.option(
     "--fixture",
@@ -237,7 +257,8 @@ def _known_patches(
 @json_option
 def command(
     engines: tuple[str, ...],
-    url: str | None,
+    urls: tuple[str, ...],
+    generators: tuple[str, ...],
     fixture_dir: Path | None,
     fixture_kind: str | None,
     paths: tuple[str, ...],
@@ -273,7 +294,8 @@ def command(
     does not.
     """
     if engines == ():
-        engines = ("url",) if url else ("server", "speculative-example")
+        engines = ("url",) if urls else ("server", "speculative-example")
+    url = urls or None
     from specaudit import fixtures
 
     sampler = fixtures.SamplerSettings(
@@ -305,6 +327,8 @@ def command(
         raise dist.DistError("--patch applies to the server and speculative-example engines only")
     if paths and "server" not in engines:
         raise dist.DistError("--path applies to the server engine only")
+    if generators and "transformers" not in engines:
+        raise dist.DistError("--generator applies to the transformers engine only")
     dist.check_paths(paths or None, temperature)
     bins = ensure_binaries(patches=patches) if dist.needs_binaries(engines) else None
     # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
@@ -336,6 +360,7 @@ def command(
             timeout=timeout,
             fixture_kind=fixture_kind,
             paths=paths or None,
+            generators=generators or None,
         )
     if as_json:
         emit_json(res)
@@ -346,6 +371,8 @@ def command(
         click.echo(dist.to_markdown(res))
         if any(e.path for e in res.engines) or res.not_covered:
             click.echo("\n" + dist.paths_markdown(res))
+        for note in res.notes:
+            click.echo(f"\n{note}")
         if res.plot is not None:
             click.echo(f"\nplot: {res.plot}")
     raise SystemExit(res.exit_code)  # PRESERVED 0, BROKEN 1, INCONCLUSIVE 2

@@ -17,8 +17,10 @@ What is tested, for each engine:
 
 Engines: llama-servers we spawn, one per verification path (`server`: no draft, greedy draft,
 probabilistic draft / rejection sampling, ngram-mod; `coverage`), any
-llama-server-compatible URL (`url`), and llama.cpp's `llama-speculative` example program run
-once per seed (`speculative-example`). See docs/dist.md.
+llama-server-compatible URL (`url`), any OpenAI-compatible /v1/completions server (`openai`,
+`dist.openai`; several URLs make a fleet), Hugging Face transformers' `generate()` with each
+candidate generator (`transformers`, `dist.hf`), and llama.cpp's `llama-speculative` example
+program run once per seed (`speculative-example`). See docs/dist.md and docs/engines.md.
 
 Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
 closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
@@ -28,6 +30,7 @@ covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
+from specaudit.dist import hf
 from specaudit.dist.analysis import Tally, analyze
 from specaudit.dist.coverage import (
     NOT_COVERED,
@@ -49,6 +52,7 @@ from specaudit.dist.engines import (
     ServerEngine,
     parse_example_output,
 )
+from specaudit.dist.openai import FleetEngine, OpenAIEngine, fixture_model
 from specaudit.dist.render import (
     CONTEXT_HEADERS,
     SUMMARY_HEADERS,
@@ -87,6 +91,7 @@ from specaudit.dist.runner import (
     MAX_PARALLEL,
     MIN_TOKENS,
     PATHS,
+    URL_ENGINES,
     load_fixture,
     make_workload,
     needs_binaries,
@@ -112,6 +117,7 @@ __all__ = [
     "MIN_TOKENS",
     "NOT_COVERED",
     "PATHS",
+    "URL_ENGINES",
     "PATH_ENGINES",
     "PATH_HEADERS",
     "PATH_HELP",
@@ -125,6 +131,8 @@ __all__ = [
     "Engine",
     "EngineResult",
     "ExampleEngine",
+    "FleetEngine",
+    "OpenAIEngine",
     "ProgressFn",
     "Sample",
     "Sequential",
@@ -142,6 +150,8 @@ __all__ = [
     "detail_lines",
     "draft_cell",
     "evidence_cell",
+    "fixture_model",
+    "hf",
     "load_fixture",
     "make_workload",
     "measure",

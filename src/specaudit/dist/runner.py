@@ -13,7 +13,8 @@ from specaudit import fixtures
 from specaudit import validate as checks
 from specaudit.dist import coverage
 from specaudit.dist.driver import measure
-from specaudit.dist.engines import MAX_CONCURRENCY, ExampleEngine, ServerEngine
+from specaudit.dist.engines import MAX_CONCURRENCY, Engine, ExampleEngine, ServerEngine
+from specaudit.dist.openai import FleetEngine, OpenAIEngine
 from specaudit.dist.render import plot_results
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
@@ -31,7 +32,8 @@ from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 from specaudit.paths import cache_root
 
-ENGINES = ("server", "speculative-example", "url")
+ENGINES = ("server", "speculative-example", "url", "openai", "transformers")
+URL_ENGINES = ("url", "openai")  # engines that sample running servers (--url, repeatable)
 MIN_TOKENS = 3  # llama-server drafts nothing when n_predict < 3
 MAX_JOINT = 6
 # What a spawned server, an HTTP client or a process pool can be asked for: beyond these a
@@ -138,9 +140,18 @@ def _check_kind(fs: fixtures.FixtureSet | None, kind: str | None) -> None:
         )
 
 
+def url_list(url: str | Sequence[str] | None) -> tuple[str, ...]:
+    """`url` as a tuple: one URL, several (a fleet of identical servers), or none."""
+    if url is None:
+        return ()
+    if isinstance(url, str):
+        return (url,)
+    return tuple(url)
+
+
 def _check_common(
     engines: Sequence[str],
-    url: str | None,
+    url: str | Sequence[str] | None,
     seeds: int,
     alpha: float,
     tolerance: float,
@@ -151,10 +162,14 @@ def _check_common(
     for e in engines:
         if e not in ENGINES:
             raise DistError(f"unknown engine {e!r} (one of {', '.join(ENGINES)})")
-    if "url" in engines and not url:
-        raise DistError("--engine url needs --url")
-    if url is not None:
-        checks.url(url, "--url", DistError)
+    urls = url_list(url)
+    for e in URL_ENGINES:
+        if e in engines and not urls:
+            raise DistError(f"--engine {e} needs --url")
+    if urls and not any(e in engines for e in URL_ENGINES):
+        raise DistError("--url applies to --engine url and --engine openai only")
+    for u in urls:
+        checks.url(u, "--url", DistError)
     if seeds < 1:
         raise DistError(f"--seeds must be at least 1, got {seeds}")
     checks.integer(seed_start, "--seed-start", min=0, max=checks.MAX_SEED, error=DistError)
@@ -189,7 +204,7 @@ def validate(
     engines: Sequence[str],
     *,
     fixture: str | os.PathLike[str] | fixtures.FixtureSet | None = None,
-    url: str | None = None,
+    url: str | Sequence[str] | None = None,
     prompt: str | None = None,
     tokens: int = DEFAULT_TOKENS,
     positions: int | None = None,
@@ -214,6 +229,12 @@ def validate(
     """
     _check_common(engines, url, seeds, alpha, tolerance, seed_start)
     _check_run(parallel, concurrency, jobs, timeout, plot)
+    if "transformers" in engines:
+        if sampler.temperature <= 0:
+            raise DistError("--engine transformers samples: --temperature must be > 0")
+        from specaudit.dist import hf
+
+        hf.versions()  # the extra is installed, or a one-line error now
     if isinstance(fixture, fixtures.FixtureSet):
         fs = fixture
         _check_kind(fs, fixture_kind)
@@ -316,11 +337,30 @@ def _server_path(draft: bool | None, draft_sampling: str, path: str | None) -> s
     return "rejection" if draft_sampling == "probabilistic" else "greedy"
 
 
+def _url_engine(
+    name: str,
+    urls: Sequence[str],
+    spec: fixtures.FixtureSpec,
+    wl: Workload,
+    concurrency: int | None,
+    timeout: float,
+) -> Engine:
+    """`url` (native /completion) or `openai` (/v1/completions) on every URL: one engine, or a
+    fleet that spreads the seeds over them (`--concurrency` is per server)."""
+    members: list[Engine] = []
+    for u in urls:
+        if name == "url":
+            members.append(ServerEngine(u, spec, wl, concurrency=concurrency, timeout=timeout))
+        else:
+            members.append(OpenAIEngine(u, spec, wl, concurrency=concurrency, timeout=timeout))
+    return members[0] if len(members) == 1 else FleetEngine(members)
+
+
 def run(
     engines: Sequence[str] = ("server", "speculative-example"),
     *,
     fixture: str | os.PathLike[str] | fixtures.FixtureSet | None = None,
-    url: str | None = None,
+    url: str | Sequence[str] | None = None,
     prompt: str | None = None,
     tokens: int = DEFAULT_TOKENS,
     positions: int | None = None,
@@ -342,6 +382,7 @@ def run(
     patches: Sequence[str] = (),
     fixture_kind: str | None = None,
     paths: Sequence[str] | None = None,
+    generators: Sequence[str] | None = None,
 ) -> DistResult:
     """Run the distribution test on each engine (`server` means one llama-server per
     verification path in `paths`, default every `PATHS` value: plain, greedy, rejection (only
@@ -352,7 +393,12 @@ def run(
     `patches`: when `binaries` is not given, the server and llama-speculative engines run on
     llama.cpp built with these (bundled names, ``mutants/<name>``, paths to ``.patch`` files:
     see `llama.ensure`); their engine labels name the patches.
+    `url` (for `url` and `openai`) may be several URLs of identical servers: the seeds are
+    spread over them. `generators`: the `transformers` engine's candidate generators
+    (`dist.hf.GENERATORS`, default all), one result each, after its truth check (in `notes`).
     """
+    if generators is not None and "transformers" not in engines:
+        raise DistError("--generator applies to the transformers engine only")
     patches = _check_patches(engines, patches, binaries)
     if paths is not None and "server" not in engines:
         raise DistError("--path applies to the server engine only")
@@ -394,6 +440,10 @@ def run(
         return llama.ensure(patches=patches)
 
     results: list[EngineResult] = []
+    notes: list[str] = []
+    not_covered = (
+        coverage.not_covered(server_paths, sampler.temperature) if "server" in engines else []
+    )
     for name in dict.fromkeys(engines):
         if name == "server":
             b = bins()
@@ -414,10 +464,17 @@ def run(
                 label=_with_patches("llama-speculative", b),
             )  # fmt: skip
             results.append(measure(ex, fs.spec, wl, seed_list, **kw))
+        elif name in URL_ENGINES:
+            url_eng = _url_engine(name, url_list(url), fs.spec, wl, concurrency, timeout)
+            results.append(measure(url_eng, fs.spec, wl, seed_list, **kw))
         else:
-            assert url is not None
-            eng = ServerEngine(url, fs.spec, wl, concurrency=concurrency, timeout=timeout)
-            results.append(measure(eng, fs.spec, wl, seed_list, **kw))
+            from specaudit.dist import hf
+
+            hf_engines, truth_check = hf.engines(fs, wl, tuple(generators or hf.GENERATORS))
+            notes.append(truth_check.line())
+            for hf_eng in hf_engines:
+                results.append(measure(hf_eng, fs.spec, wl, seed_list, **kw))
+            not_covered += list(hf.NOT_RUNNABLE)
     out = DistResult(
         fixture=fs.spec.name,
         fixture_dir=fs.dir,
@@ -427,9 +484,8 @@ def run(
         tolerance=tolerance,
         sequential=sequential,
         engines=results,
-        not_covered=coverage.not_covered(server_paths, sampler.temperature)
-        if "server" in engines
-        else [],
+        notes=notes,
+        not_covered=not_covered,
     )
     if plot is not None:
         out.plot = plot_results(out, plot)
@@ -446,10 +502,12 @@ __all__ = [
     "MAX_PARALLEL",
     "MIN_TOKENS",
     "PATHS",
+    "URL_ENGINES",
     "load_fixture",
     "make_workload",
     "needs_binaries",
     "run",
     "spawn_server",
+    "url_list",
     "validate",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specaudit.audit.context import AuditContext, Section
-from specaudit.audit.sections import ab, check, dist, patched, proxy, servers
+from specaudit.audit.sections import ab, check, dist, engines, patched, proxy, servers
 
 SectionFn = Callable[[AuditContext], Section]
 
@@ -15,6 +15,7 @@ SECTIONS: tuple[tuple[str, SectionFn], ...] = (
     ("check", check.section),
     ("ab", ab.section),
     ("dist", dist.section),
+    ("engines", engines.section),
     ("proxy", proxy.section),
     ("patched", patched.section),
 )

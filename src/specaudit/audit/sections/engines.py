@@ -1,0 +1,126 @@
+"""The audit's engines section: the distribution test beyond llama.cpp's own programs.
+
+Hugging Face transformers' `generate()` with every candidate generator a llama fixture can
+drive (assistant model, prompt lookup, early exit), on both fixtures; llama-server through
+its OpenAI-compatible `/v1/completions` (`--engine openai`); llama-cpp-python's server with
+prompt-lookup decoding through the same engine, and `check` on it (real logprobs, no
+/slots). Kept fast: sequential mode, at most `SEEDS` samples each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specaudit import check, dist
+from specaudit import llama_cpp_python as lcp
+from specaudit.audit.context import AuditContext, Section
+from specaudit.outcome import Outcome
+from specaudit.report import md_table
+from specaudit.stats import Verdict
+
+SEEDS = 2000  # the most any engine samples; sequential mode stops when decided (~1000)
+HEADERS = (
+    "engine",
+    "generator",
+    "fixture",
+    "verdict",
+    "samples",
+    "drafted",
+    "accepted",
+    "TV bound",
+    "samples/s",
+)
+
+
+def rows(results: list[tuple[str, str, dist.DistResult]]) -> list[tuple[object, ...]]:
+    """One row per (engine, generator, fixture): the table of docs/engines.md."""
+    out: list[tuple[object, ...]] = []
+    for engine, generator, r in results:
+        for e in r.engines:
+            gen = e.kind.removeprefix("transformers-") if engine == "transformers" else generator
+            out.append(
+                (
+                    e.engine if engine != "transformers" else engine + " " + e.engine.split()[1],
+                    gen,
+                    r.fixture,
+                    e.verdict.value,
+                    e.n_samples,
+                    "-" if e.drafted is None else e.drafted,
+                    "-" if e.accepted is None else e.accepted,
+                    "-" if e.tv_bound is None else f"{e.tv_bound:.3f}",
+                    f"{e.samples_per_s:.0f}",
+                )
+            )
+    return out
+
+
+def run_engines(
+    ctx: AuditContext, seeds: int = SEEDS
+) -> tuple[list[tuple[str, str, dist.DistResult]], check.CheckResult, list[str]]:
+    """Every engine of the section; (engine, generator, result) triples, check, notes."""
+    out: list[tuple[str, str, dist.DistResult]] = []
+    notes: list[str] = []
+    for fs in (ctx.fixture, ctx.context_fixture):
+        ctx.progress(f"engines: transformers on {fs.spec.name}")
+        r = dist.run(["transformers"], fixture=fs, seeds=seeds, sequential=True)
+        notes += [f"{fs.spec.name}: {n}" for n in r.notes]
+        out.append(("transformers", "", r))
+    ctx.progress("engines: llama-server via /v1/completions")
+    srv = ctx.server("fixture-spec")
+    r = dist.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True)
+    for e in r.engines:
+        e.engine = "llama-server (openai)"
+    out.append(("openai", "llama-server draft-simple", r))
+    lcp.install()
+    chk: check.CheckResult | None = None
+    for fs in (ctx.fixture, ctx.context_fixture):
+        ctx.progress(f"engines: llama-cpp-python with prompt lookup on {fs.spec.name}")
+        log = Path(ctx.out_dir) / f"llama-cpp-python-{fs.spec.kind}.log"
+        f32 = fs.spec.kind == "context"
+        with lcp.LlamaCppPythonServer(Path(fs.target), log_path=log, f32_cache=f32) as s:
+            r = dist.run(["openai"], fixture=fs, url=s.url, seeds=seeds, sequential=True)
+            for e in r.engines:
+                e.engine = f"llama-cpp-python {lcp.VERSION} (openai)"
+            out.append(("openai", f"llama-cpp-python {lcp.PROMPT_LOOKUP}", r))
+            if chk is None:
+                chk = check.run(s.url, prompt=fs.spec.prompt, tokens=8, endpoint="completions")
+    assert chk is not None
+    return out, chk, notes
+
+
+def section(ctx: AuditContext) -> Section:
+    """The engines section (see the module doc)."""
+    results, chk, notes = run_engines(ctx)
+    table = rows(results)
+    not_covered = results[0][2].not_covered
+    markdown = "\n".join(
+        [
+            "The distribution test beyond llama.cpp's own programs (sequential, at most "
+            f"{SEEDS} seeds each; TV bound: the largest certified one-sided TV bound).",
+            "",
+            md_table(HEADERS, table),
+            "",
+            *notes,
+            "",
+            "transformers generators that cannot run on a llama fixture:",
+            "",
+            *dist.not_covered_lines(not_covered),
+            "",
+            f"`check` on llama-cpp-python's server: {chk.verdict} ({chk.reason}); "
+            f"speculation {chk.speculation.summary}.",
+        ]
+    )
+    broken = [row for row in table if row[3] == Verdict.BROKEN.value]
+    status = Outcome.FINDING if broken or chk.outcome is Outcome.FINDING else Outcome.OK
+    summary = "; ".join(f"{r[0]} {r[1]} {r[2]}: {r[3]}" for r in table)
+    return Section(
+        key="engines",
+        title="Engines: transformers, llama-cpp-python, any OpenAI-compatible server",
+        markdown=markdown,
+        data={"engines": [r for _, _, r in results], "check_llama_cpp_python": chk},
+        status=status,
+        summary=summary,
+    )
+
+
+__all__ = ["HEADERS", "SEEDS", "rows", "run_engines", "section"]

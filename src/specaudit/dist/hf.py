@@ -1,0 +1,378 @@
+"""The Hugging Face transformers engine: `generate()` with speculative decoding on CPU.
+
+The fixture is loaded the way transformers users load a GGUF (`from_pretrained(dir,
+gguf_file=...)`, with `gguf` and `accelerate` installed); before anything is sampled, the
+model's own next-token probabilities are compared with the closed form (`check_truth`) and a
+difference above `TRUTH_TOLERANCE` is an error, not a verdict.
+
+The sampler knobs are mapped exactly. transformers applies temperature *before* top-k, top-p
+and min-p; llama.cpp's chain (which the closed form models) applies it last. The two agree
+when temperature is 1 or when top-p and min-p are off (top-k commutes with a positive
+temperature), and then the knobs are passed as generation arguments, as a user would;
+otherwise the same four transformers warpers are passed as `logits_processor` in llama.cpp's
+order and the generation knobs are set neutral. No other logits processor runs.
+
+Generators (`GENERATORS`): the assistant (draft) model, prompt lookup and early exit, all
+driven by the one-layer fixture llama. transformers' universal (different-tokenizer) assistant,
+MTP, DFlash and Gemma 4 assistant generators cannot run on it (`NOT_RUNNABLE` says why).
+
+Imports of torch and transformers happen on first use: a plain install stays light
+(`pip install 'specaudit[transformers]'` brings them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specaudit import fixtures
+from specaudit.dist.results import DistError, Sample, Workload
+from specaudit.dist.truth import encode_ids
+
+TRUTH_TOLERANCE = 1e-5  # max |transformers' probability - closed form| before sampling
+PROMPT_LOOKUP_TOKENS = 3  # prompt_lookup_num_tokens
+ASSISTANT_TOKENS = 3  # the assistant's num_assistant_tokens (constant schedule)
+GENERATORS = ("assistant", "prompt-lookup", "early-exit")
+GENERATOR_HELP = {
+    "assistant": "assistant_model=draft.gguf (AssistedCandidateGenerator: the draft samples, "
+    "speculative sampling verifies)",
+    "prompt-lookup": f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS} "
+    "(PromptLookupCandidateGenerator: n-grams of the context, no draft model)",
+    "early-exit": "assistant_early_exit=1 (EarlyExitCandidateGenerator: the target's first "
+    "layer drafts; the fixture has one layer, so the draft is the target)",
+}
+NOT_RUNNABLE = (
+    (
+        "transformers universal assistant",
+        "UniversalSpeculativeDecodingGenerator (assistant_tokenizer) refuses an assistant with "
+        "the target's vocabulary size, and the fixture's draft shares the target's tokenizer",
+    ),
+    (
+        "transformers mtp",
+        "use_mtp needs a model with multi-token-prediction heads; a llama has none",
+    ),
+    ("transformers dflash", "speculation_type='dflash' needs a DFlash assistant model class"),
+    (
+        "transformers gemma4-assistant",
+        "SinglePositionMultiTokenCandidateGenerator needs a Gemma 4 assistant and a Gemma 3n/4 "
+        "target's shared KV states",
+    ),
+)
+EXTRA_HINT = "pip install 'specaudit[transformers]'"
+
+
+def versions() -> dict[str, str]:
+    """torch and transformers versions (DistError naming the extra when not installed)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise DistError(
+            f"--engine transformers needs torch and transformers ({EXTRA_HINT}): {e}"
+        ) from None
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+@dataclass
+class TruthCheck:
+    """transformers' next-token probabilities against the closed form, before sampling."""
+
+    contexts: int  # contexts compared (the prompt and every reachable generated prefix)
+    max_raw: float  # max |softmax(logits) - fixtures.raw_distribution| over the vocabulary
+    max_sampled: float  # max |processed distribution - fixtures.conditional_distribution|
+
+    def line(self) -> str:
+        return (
+            f"transformers next-token probabilities vs the closed form on {self.contexts} "
+            f"contexts: max |diff| {self.max_raw:.1e} (raw), {self.max_sampled:.1e} (after "
+            f"the sampler), tolerance {TRUTH_TOLERANCE:g}"
+        )
+
+
+class Models:
+    """The fixture's target and draft loaded through transformers' GGUF loader, once."""
+
+    def __init__(self, fs: fixtures.FixtureSet) -> None:
+        versions()
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(1)  # the model is tiny; one core per engine
+        self.fs = fs
+        d = str(fs.dir)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader's own tqdm bar
+                self.target, self.draft, self.tokenizer = self._load(d)
+        except Exception as e:  # transformers raises many kinds; one line says which
+            raise DistError(
+                f"transformers could not load fixture {fs.spec.name!r} from {d}: "
+                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            ) from None
+        self._check_tokenizer()
+
+    @staticmethod
+    def _load(d: str) -> tuple[Any, Any, Any]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=fixtures.TARGET_FILE, dtype=torch.float32
+        ).eval()
+        draft = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=fixtures.DRAFT_FILE, dtype=torch.float32
+        ).eval()
+        return target, draft, AutoTokenizer.from_pretrained(d, gguf_file=fixtures.TARGET_FILE)
+
+    def _check_tokenizer(self) -> None:
+        spec = self.fs.spec
+        ids = self.tokenizer(spec.prompt, add_special_tokens=False).input_ids
+        if list(ids) != spec.tokenize(spec.prompt):
+            raise DistError(
+                f"transformers' tokenizer maps {spec.prompt!r} to {list(ids)}, the fixture to "
+                f"{spec.tokenize(spec.prompt)}"
+            )
+
+
+def _native(s: fixtures.SamplerSettings) -> bool:
+    """True when transformers' own order (temperature first) gives llama.cpp's distribution."""
+    return s.temperature == 1.0 or (s.top_p >= 1.0 and s.min_p <= 0.0)
+
+
+def generation_kwargs(workload: Workload) -> dict[str, Any]:
+    """The sampler part of `generate()`'s arguments for `workload` (see the module doc)."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    s = workload.sampler
+    if s.temperature <= 0:
+        raise DistError("--engine transformers samples: --temperature must be > 0")
+    kw: dict[str, Any] = {
+        "do_sample": True,
+        "repetition_penalty": None,
+        "typical_p": None,
+        "epsilon_cutoff": None,
+        "eta_cutoff": None,
+        "top_h": None,
+        "renormalize_logits": False,
+    }
+    if _native(s):
+        kw |= {
+            "temperature": s.temperature,
+            "top_k": s.top_k,  # 0: off (transformers' default would be 50)
+            "top_p": s.top_p,
+            "min_p": s.min_p if s.min_p > 0 else None,
+        }
+        return kw
+    procs: list[Any] = []
+    if s.top_k > 0:
+        procs.append(TopKLogitsWarper(top_k=s.top_k))
+    if s.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=s.top_p))
+    if s.min_p > 0:
+        procs.append(MinPLogitsWarper(min_p=s.min_p))
+    procs.append(TemperatureLogitsWarper(s.temperature))
+    kw |= {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None}
+    kw["logits_processor"] = LogitsProcessorList(procs)
+    return kw
+
+
+def processed_distribution(
+    models: Models, workload: Workload, ids: list[int], logits: Any
+) -> np.ndarray:
+    """What `generate()` samples from after `ids`: its own processors on `logits`, softmaxed."""
+    import torch
+
+    kw = generation_kwargs(workload)
+    if "logits_processor" in kw:
+        procs = kw["logits_processor"]
+    else:
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(**{k: v for k, v in kw.items() if k != "logits_processor"})
+        procs = models.target._get_logits_processor(
+            cfg, input_ids_seq_length=len(ids), logits_processor=None, device="cpu"
+        )
+    x = torch.tensor([ids])
+    z = procs(x, logits.unsqueeze(0).clone())
+    return np.asarray(torch.softmax(z.double(), dim=-1)[0].numpy())
+
+
+def _contexts(spec: fixtures.FixtureSpec, workload: Workload) -> list[str]:
+    """The prompt and the generated prefixes of positive probability, up to `positions - 1`
+    letters (at most a few hundred on the built-in fixtures)."""
+    out = [""]
+    frontier = [""]
+    for _ in range(workload.positions - 1):
+        nxt = []
+        for prefix in frontier:
+            d = fixtures.conditional_distribution(spec, workload.prompt, prefix, workload.sampler)
+            nxt += [prefix + ch for ch in spec.letters if d[ch] > 0]
+        frontier = nxt[:200]
+        out += frontier
+    return out
+
+
+def check_truth(models: Models, workload: Workload) -> TruthCheck:
+    """Compare transformers' probabilities with the closed form; DistError beyond 1e-5."""
+    import torch
+
+    spec = models.fs.spec
+    max_raw = max_sampled = 0.0
+    ctxs = _contexts(spec, workload)
+    for prefix in ctxs:
+        ids = spec.tokenize(workload.prompt + prefix)
+        with torch.no_grad():
+            logits = models.target(torch.tensor([ids])).logits[0, -1].double()
+        raw = np.asarray(torch.softmax(logits, dim=-1).numpy())
+        want = np.array(list(fixtures.raw_distribution(spec, workload.prompt + prefix).values()))
+        got = processed_distribution(models, workload, ids, logits.float())
+        cond = fixtures.conditional_distribution(spec, workload.prompt, prefix, workload.sampler)
+        want_s = np.array(list(cond.values()))
+        max_raw = max(max_raw, float(np.abs(raw[: len(want)] - want).max()))
+        max_sampled = max(max_sampled, float(np.abs(got[: len(want_s)] - want_s).max()))
+    tc = TruthCheck(len(ctxs), max_raw, max_sampled)
+    if max(max_raw, max_sampled) > TRUTH_TOLERANCE:
+        raise DistError(f"{tc.line()}: transformers does not compute the fixture")
+    return tc
+
+
+class TransformersEngine:
+    """`generate()` with one candidate generator (`GENERATORS`), one sample per seed
+    (`torch.manual_seed(seed)` first), counting drafted and accepted tokens from the
+    candidate generator's own calls."""
+
+    def __init__(self, models: Models, workload: Workload, generator: str) -> None:
+        if generator not in GENERATORS:
+            raise DistError(
+                f"unknown transformers generator {generator!r} (one of {', '.join(GENERATORS)})"
+            )
+        import transformers
+
+        self.models = models
+        self.workload = workload
+        self.generator = generator
+        self.label = f"transformers {transformers.__version__} {generator}"
+        self.kind = f"transformers-{generator}"
+        self.concurrency = 1  # generate() is synchronous; the model is tiny
+        self.drafted = 0
+        self.accepted = 0
+        self._ids = models.fs.spec.tokenize(workload.prompt)
+        self._kw = generation_kwargs(workload) | self._generator_kwargs()
+        self._count_candidates(models.target)
+
+    def _generator_kwargs(self) -> dict[str, Any]:
+        m = self.models
+        g = self.generator
+        if g == "assistant":
+            m.draft.generation_config.num_assistant_tokens = ASSISTANT_TOKENS
+            m.draft.generation_config.num_assistant_tokens_schedule = "constant"
+            m.draft.generation_config.assistant_confidence_threshold = 0.0
+            return {"assistant_model": m.draft}
+        if g == "prompt-lookup":
+            return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+        return {"assistant_early_exit": 1, "num_assistant_tokens": ASSISTANT_TOKENS}
+
+    @staticmethod
+    def _count_candidates(model: Any) -> None:
+        """Wrap this model's candidate generators' methods (on the instance: their class,
+        which `generate()` checks, is unchanged) to count drafted and accepted tokens into
+        the engine now generating (`model._specaudit_engine`)."""
+        if getattr(model, "_specaudit_counting", False):
+            return
+        orig = type(model)._get_candidate_generator
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            cg = orig(model, *args, **kwargs)
+            get, update = cg.get_candidates, cg.update_candidate_strategy
+
+            def get_candidates(input_ids: Any, **kw: Any) -> Any:
+                out = get(input_ids, **kw)
+                model._specaudit_engine.drafted += int(out[0].shape[1] - input_ids.shape[1])
+                return out
+
+            def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: int) -> Any:
+                model._specaudit_engine.accepted += int(num_matches)
+                return update(input_ids, scores, num_matches)
+
+            cg.get_candidates = get_candidates
+            cg.update_candidate_strategy = update_candidate_strategy
+            return cg
+
+        model._get_candidate_generator = make
+        model._specaudit_counting = True
+
+    def generate(self, seed: int) -> list[int]:
+        """The generated token ids for one seed."""
+        import torch
+
+        torch.manual_seed(seed)
+        self.models.target._specaudit_engine = self
+        x = torch.tensor([self._ids])
+        spec = self.models.fs.spec
+        with torch.no_grad():
+            out = self.models.target.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=self.workload.tokens,
+                min_new_tokens=0,
+                pad_token_id=spec.eos_id,
+                **self._kw,
+            )
+        return [int(t) for t in out[0, len(self._ids) :]]
+
+    async def sample(self, seed: int) -> Sample:
+        d0, a0 = self.drafted, self.accepted
+        try:
+            ids = self.generate(seed)
+        except DistError:
+            raise
+        except Exception as e:  # a transformers failure on one seed: one line, with the seed
+            raise DistError(
+                f"{self.label}: generate() failed on seed {seed}: {type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}"
+            ) from None
+        text = encode_ids(ids, self.workload.tokens, self.models.fs.spec)
+        return Sample(seed, text, self.drafted - d0, self.accepted - a0)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def engines(
+    fs: fixtures.FixtureSet, workload: Workload, generators: tuple[str, ...] = GENERATORS
+) -> tuple[list[TransformersEngine], TruthCheck]:
+    """One engine per generator on one set of models, after the truth check passed."""
+    for g in generators:
+        if g not in GENERATORS:
+            raise DistError(
+                f"unknown transformers generator {g!r} (one of {', '.join(GENERATORS)})"
+            )
+    models = Models(fs)
+    tc = check_truth(models, workload)
+    return [TransformersEngine(models, workload, g) for g in dict.fromkeys(generators)], tc
+
+
+__all__ = [
+    "GENERATORS",
+    "GENERATOR_HELP",
+    "NOT_RUNNABLE",
+    "TRUTH_TOLERANCE",
+    "Models",
+    "TransformersEngine",
+    "TruthCheck",
+    "check_truth",
+    "engines",
+    "generation_kwargs",
+    "versions",
+]

@@ -1,0 +1,85 @@
+"""`dist.OpenAIEngine` on fake servers: what a real server cannot play (another model, text
+outside the fixture's letters, a malformed answer) is a one-line DistError, never a verdict."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+import fakes
+from specaudit import dist, fixtures
+
+
+def _handler(models: Any, text: str = "fhag") -> fakes.Handler:
+    seen: list[dict[str, Any]] = []
+
+    async def handle(req: web.BaseRequest) -> web.StreamResponse:
+        if req.path == "/v1/models":
+            return web.json_response(models)
+        body = json.loads(await req.read())
+        seen.append(body)
+        return web.json_response({"choices": [{"text": text, "index": 0}]})
+
+    handle.seen = seen  # type: ignore[attr-defined]
+    return handle
+
+
+SPEC = fixtures.default_spec()
+WL = dist.make_workload(SPEC)
+FIXTURE_MODELS = {"data": [{"id": "/somewhere/target.gguf"}]}
+
+
+def test_body_sets_every_knob_and_neutral_penalties() -> None:
+    h = _handler(FIXTURE_MODELS)
+    with fakes.serve(h) as s:
+        eng = dist.OpenAIEngine(s.url, SPEC, WL)
+        (sample,) = dist.collect(eng, [7])
+    (body,) = h.seen  # type: ignore[attr-defined]
+    assert sample.text == "fhag" and sample.drafted is None
+    assert body["seed"] == 7 and body["model"] == "/somewhere/target.gguf"
+    assert (body["top_k"], body["top_p"], body["min_p"], body["temperature"]) == (3, 1.0, 0.0, 1.0)
+    assert body["repeat_penalty"] == 1.0 and body["presence_penalty"] == 0.0
+    assert body["max_tokens"] == WL.tokens and body["prompt"] == SPEC.prompt
+
+
+def test_alias_with_the_fixture_name_is_accepted() -> None:
+    with fakes.serve(_handler({"data": [{"id": f"{SPEC.name}-alias"}]})) as s:
+        assert dist.fixture_model(s.url, SPEC) == f"{SPEC.name}-alias"
+
+
+@pytest.mark.parametrize(
+    ("models", "match"),
+    [
+        ({"data": [{"id": "gpt-4o"}]}, "not the fixture"),
+        ({"data": []}, "lists no model"),
+        ({"data": [{"id": "x/target.gguf", "meta": {"n_vocab": 262144}}]}, "262144 tokens"),
+    ],
+)
+def test_another_model_is_refused(models: Any, match: str) -> None:
+    with fakes.serve(_handler(models)) as s, pytest.raises(dist.DistError, match=match):
+        dist.OpenAIEngine(s.url, SPEC, WL)
+
+
+@pytest.mark.parametrize("text", ["fh g", "FHAG", "fhé"])
+def test_text_outside_the_letters_is_an_error(text: str) -> None:
+    with fakes.serve(_handler(FIXTURE_MODELS, text)) as s:
+        eng = dist.OpenAIEngine(s.url, SPEC, WL)
+        with pytest.raises(dist.DistError, match="not fixture letters"):
+            dist.collect(eng, [1])
+
+
+def test_short_text_is_an_outcome_not_an_error() -> None:
+    # a server that stopped early (EOS): outcomes of probability 0, judged BROKEN
+    with fakes.serve(_handler(FIXTURE_MODELS, "fh")) as s:
+        res = dist.measure(dist.OpenAIEngine(s.url, SPEC, WL), SPEC, WL, range(1, 21))
+    assert res.verdict.value == "BROKEN"
+
+
+def test_url_and_openai_need_url_and_url_needs_them() -> None:
+    with pytest.raises(dist.DistError, match="--engine openai needs --url"):
+        dist.run(["openai"], fixture=dist.load_fixture(None), seeds=10)
+    with pytest.raises(dist.DistError, match="--url applies"):
+        dist.run(["server"], url=["http://127.0.0.1:1"], seeds=10)
