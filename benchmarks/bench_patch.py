@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="rounds (A/B pairs per kind), >= 5")
     ap.add_argument("--n-predict", type=int, default=128, help="tokens decoded per request")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="llama-server -t (default 1)")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     args = ap.parse_args(argv)
 
@@ -132,9 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     gemma = models.gemma_270m().path
     logs = Path(tempfile.mkdtemp(prefix="specaudit-bench-"))
     print(f"stock   {stock.bin_dir}\npatched {patched.bin_dir}\nmodel   {gemma}\nlogs    {logs}")
-    print(f"{args.runs} rounds x {args.n_predict} tokens, seed {args.seed}, temperature 1\n")
+    print(
+        f"{args.runs} rounds x {args.n_predict} tokens, seed {args.seed}, temperature 1, "
+        f"-t {args.threads}\n"
+    )
 
-    spec = {"draft": gemma, "spec_type": "draft-simple", "ctx_size": 2048}
+    # one thread per server: with more, ggml's threads spin at their barriers while a sibling
+    # waits for a core, and that spinning would count as CPU time on a loaded machine
+    spec = {"draft": gemma, "spec_type": "draft-simple", "ctx_size": 2048,
+            "extra_args": ["-t", str(args.threads)]}  # fmt: skip
     bins = {"stock-a": stock, "stock-b": stock, "patched": patched}
     rates: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
