@@ -22,7 +22,7 @@ from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
 OLD = 10705
-SEEDS = 400
+SEEDS = 1000  # the report's 1000 seeds (400 left a TV bound of 0.159 > 0.15)
 
 
 def _progress(pct: float, msg: str) -> None:
