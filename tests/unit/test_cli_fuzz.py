@@ -98,6 +98,7 @@ BASE: dict[tuple[str, ...], list[str]] = {
     ("fixtures", "build"): [],
     ("llama", "build"): [],
     ("llama", "path"): [],
+    ("matrix",): [],
 }
 # ab's local-mode options apply without URLs: fuzzed without them (no binaries: exit 2)
 LOCAL_AB = {"model", "draft", "spec_type", "log_dir"}

@@ -67,6 +67,8 @@ class AuditContext:
     def binaries(self, variant: str = "stock") -> LlamaBinaries:
         if variant not in self._bins:
             patches = (presets.PATCH,) if variant == "patched" else ()
+            if variant == presets.SPECULATIVE_FIX:
+                patches = (presets.SPECULATIVE_FIX,)
             self.progress(f"llama.cpp b{self.build} {variant}")
             self._bins[variant] = self._ensure_bins(self.build, patches)
         return self._bins[variant]

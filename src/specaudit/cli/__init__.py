@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "dist": "specaudit.cli.dist_cmd:command",
     "fixtures": "specaudit.cli.fixtures_cmd:command",
     "llama": "specaudit.cli.llama_cmd:command",
+    "matrix": "specaudit.cli.matrix_cmd:command",
     "proxy": "specaudit.cli.proxy_cmd:command",
 }
 
@@ -53,6 +54,8 @@ SHORT_HELP: dict[str, str] = {
     "dist": "Prove whether speculative decoding preserves the sampling distribution.",
     "fixtures": "Tiny GGUF models with exactly known next-token distributions.",
     "llama": "Build and locate the llama.cpp binaries (llama-server, llama-speculative...).",
+    "matrix": "Run placeholders (check), /props vs /slots and dist of the speculating server, "
+    "stock and patched, on several llama.cpp builds, and print one table.",
     "proxy": "Route logprobs requests to a plain llama-server and the rest to a speculating one.",
 }
 

@@ -20,6 +20,7 @@ from specaudit.llama.server import LlamaServer
 MODELS = ("fixture", "fixture-context", "gemma")
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
+SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
 DEFAULT_SPEC_TYPE = "draft-simple"
 # llama.cpp's --spec-draft-sampling: greedy (its default; sample-and-match), probabilistic
 # (the draft samples and reports q; the target verifies by rejection sampling, temperature > 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specaudit.audit.context import AuditContext, Section
-from specaudit.audit.sections import ab, check, dist, engines, patched, proxy, servers
+from specaudit.audit.sections import ab, check, dist, engines, patched, proxy, servers, speculative
 
 SectionFn = Callable[[AuditContext], Section]
 
@@ -18,6 +18,7 @@ SECTIONS: tuple[tuple[str, SectionFn], ...] = (
     ("engines", engines.section),
     ("proxy", proxy.section),
     ("patched", patched.section),
+    ("speculative", speculative.section),
 )
 
 __all__ = ["SECTIONS", "SectionFn"]

@@ -10,7 +10,7 @@ counts, then the paths no fixture can exercise (`dist.NOT_COVERED`).
 
 from __future__ import annotations
 
-from specaudit import dist
+from specaudit import dist, matrix
 from specaudit.audit.context import AuditContext, Section
 from specaudit.fixtures import FixtureSet
 from specaudit.llama import presets
@@ -22,10 +22,16 @@ SEEDS = range(1, 1001)  # the report's 1000 seeds
 SUMMARY_HEADERS = ("fixture", *dist.PATH_HEADERS, "why")
 
 
+def build_paths(ctx: AuditContext) -> list[str]:
+    """The verification paths the audited build has: no rejection sampler before #27694."""
+    have = matrix.has_rejection(ctx.binaries())
+    return [p for p in dist.PATHS if p != "rejection" or have]
+
+
 def _server_paths(ctx: AuditContext, fs: FixtureSet, model: str) -> list[dist.EngineResult]:
     wl = dist.make_workload(fs.spec)
     results = []
-    for path in dist.PATHS:
+    for path in build_paths(ctx):
         label, kind = dist.PATH_ENGINES[path]
         srv = ctx.server(presets.fixture_role(model, path))
         ctx.progress(f"dist: {fs.spec.name}: {label}")
@@ -75,6 +81,11 @@ def section(ctx: AuditContext) -> Section:
             "Not covered (no fixture can exercise them):",
             "",
             *dist.not_covered_lines(res.not_covered),
+            *(
+                [f"- rejection: b{ctx.build} has no rejection sampler (added by #27694)"]
+                if "rejection" not in build_paths(ctx)
+                else []
+            ),
             "",
             f"#### Fixture `{res.fixture}` (last-token)",
             "",

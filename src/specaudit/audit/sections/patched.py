@@ -3,19 +3,22 @@ instruments.
 
 The `spec-logprobs` patch (src/specaudit/patches/llama.cpp/b11434/, explained in
 docs/spec-logprobs-patch.md) makes a speculating llama-server report the target's real
-probabilities for every token. A fix is only as good as its proof, so this section runs the
-same `check`, `ab` and `dist` measurements that find the fault on the stock server against the
-patched one, side by side.
+probabilities for every token; the `speculative-fix` patch (docs/llama-speculative-fix.md)
+makes llama.cpp's llama-speculative example keep the target distribution. A fix is only as
+good as its proof, so this section runs the same `check`, `ab` and `dist` measurements that
+find each fault on the stock binary against the patched one, side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specaudit import ab, check, dist
+from specaudit import ab, check, dist, llama
 from specaudit.audit.context import AuditContext, Section
-from specaudit.llama.presets import PATCH
+from specaudit.fixtures import FixtureSet
+from specaudit.llama.presets import PATCH, SPECULATIVE_FIX
 from specaudit.outcome import Outcome
 from specaudit.report import md_table, to_jsonable
 from specaudit.stats import Verdict
@@ -52,6 +55,76 @@ def check_pair(ctx: AuditContext, stock: str, patched: str, endpoint: str) -> Ch
         stock=check.run(ctx.server(stock).url, **kw),
         patched=check.run(ctx.server(patched).url, **kw),
     )
+
+
+EXAMPLE_SEEDS = range(1, 1001)  # the report's 1000 seeds
+SECOND_PROMPT = "hag"  # a prompt other than the fixtures' own, in their letters
+
+
+@dataclass
+class ExamplePair:
+    """llama-speculative, stock and with the `speculative-fix` patch, on one fixture and prompt."""
+
+    fixture: str  # the fixture's name
+    kind: str  # "last-token" or "context"
+    prompt: str
+    stock: dist.EngineResult
+    fixed: dist.EngineResult
+
+    @property
+    def proven(self) -> bool:
+        """The fault shown on stock and gone with the fix."""
+        return self.stock.verdict is Verdict.BROKEN and self.fixed.verdict is Verdict.PRESERVED
+
+
+def example_pairs(
+    ctx: AuditContext,
+    *,
+    stock_seeds: Sequence[int] = EXAMPLE_SEEDS,
+    fixed_seeds: Sequence[int] = EXAMPLE_SEEDS,
+    tolerance: float = dist.DEFAULT_TOLERANCE,
+    prompts: Sequence[str | None] = (None, SECOND_PROMPT),
+    stock_sequential: bool = False,
+) -> list[ExamplePair]:
+    """`dist` of stock and fixed llama-speculative on both fixtures, for each prompt (None: the
+    fixture's own); empty when the build has no `speculative-fix` patch.
+
+    `stock_sequential`: test the stock example sequentially (anytime-valid e-values at alpha
+    1e-3, `stock_seeds` the maximum): its bias is gross, so it stops after a few dozen runs.
+    """
+    if SPECULATIVE_FIX not in llama.available_patches(ctx.build):
+        return []
+    stock_bins, fixed_bins = ctx.binaries(), ctx.binaries(SPECULATIVE_FIX)
+    out = []
+    for kind, fs in (("last-token", ctx.fixture), ("context", ctx.context_fixture)):
+        for prompt in prompts:
+            wl = dist.make_workload(fs.spec, prompt=prompt)
+            res = []
+            for bins, seeds, label, seq in (
+                (stock_bins, stock_seeds, "llama-speculative", stock_sequential),
+                (fixed_bins, fixed_seeds, f"llama-speculative [{SPECULATIVE_FIX}]", False),
+            ):
+                ctx.progress(f"patched: dist {label} on {fs.spec.name}, prompt {wl.prompt}")
+                eng = _example(bins, fs, wl, label)
+                alpha = 1e-3 if seq else dist.DEFAULT_ALPHA
+                res.append(
+                    dist.measure(
+                        eng, fs.spec, wl, seeds, alpha=alpha, tolerance=tolerance, sequential=seq
+                    )
+                )
+            out.append(ExamplePair(fs.spec.name, kind, wl.prompt, res[0], res[1]))
+    return out
+
+
+def _example(
+    bins: llama.LlamaBinaries, fs: FixtureSet, wl: dist.Workload, label: str
+) -> dist.ExampleEngine:
+    return dist.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl, label=label)
+
+
+def _example_cell(e: dist.EngineResult) -> str:
+    bound = f", TV <= {e.tv_bound:.3f}" if e.tv_bound is not None else ""
+    return f"{e.verdict.value} ({e.n_samples} seeds{bound})"
 
 
 def _counts(r: check.CheckResult) -> tuple[int, int]:
@@ -162,4 +235,43 @@ def section(ctx: AuditContext) -> Section:
         plots=[ab_res.plot] if ab_res.plot else [],
         status=Outcome.OK if ok else Outcome.FINDING,
         summary=summary,
+    )
+
+
+def fix_section(ctx: AuditContext, examples: list[ExamplePair]) -> Section:
+    """The speculative-fix section from measured pairs (see `example_pairs`)."""
+    md = [
+        f"`{SPECULATIVE_FIX}` against b{ctx.build}: `dist` of llama.cpp's llama-speculative "
+        "example, stock and fixed, on both fixtures and two prompts.",
+        "",
+    ]
+    if examples:
+        md.append(
+            md_table(
+                ["fixture", "prompt", "stock llama-speculative", "fixed llama-speculative"],
+                [
+                    (
+                        f"{x.fixture} ({x.kind})",
+                        x.prompt,
+                        _example_cell(x.stock),
+                        _example_cell(x.fixed),
+                    )
+                    for x in examples
+                ],
+            )  # fmt: skip
+        )
+    else:
+        md.append(f"No `{SPECULATIVE_FIX}` patch for b{ctx.build}: not measured.")
+    ok = all(x.fixed.verdict is Verdict.PRESERVED for x in examples)
+    summary = "; ".join(
+        f"{x.kind}/{x.prompt}: {x.stock.verdict.value} -> {x.fixed.verdict.value}" for x in examples
+    )
+    return Section(
+        key="speculative",
+        title=f"The llama-speculative fix: stock vs fixed ({SPECULATIVE_FIX})",
+        markdown="\n".join(md),
+        data={"pairs": to_jsonable(examples)},
+        plots=[],
+        status=Outcome.OK if ok else Outcome.FINDING,
+        summary=summary or f"no {SPECULATIVE_FIX} patch for b{ctx.build}",
     )
