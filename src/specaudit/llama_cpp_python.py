@@ -17,13 +17,11 @@ and is stopped on exit like `specaudit.llama.server.LlamaServer`. Its speculatio
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from types import TracebackType
@@ -31,8 +29,14 @@ from types import TracebackType
 import httpx
 
 from specaudit.errors import BuildError, ServerError
-from specaudit.llama.server import _last_error, _pdeathsig, free_port, log_tail
-from specaudit.paths import cache_root
+from specaudit.llama.server import (
+    _last_error,
+    _pdeathsig,
+    free_port,
+    log_tail,
+    stop_process_group,
+)
+from specaudit.paths import cache_root, file_lock
 
 VERSION = "0.3.36"
 PACKAGE = "llama-cpp-python"
@@ -66,17 +70,6 @@ def cached_wheel(version: str = VERSION) -> Path | None:
     return wheels[-1] if wheels else None
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _pip(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> None:
     argv = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
     with contextlib.ExitStack() as stack:
@@ -93,7 +86,7 @@ def ensure_wheel(version: str = VERSION, *, verbose: bool = False) -> Path:
     if found:
         return found
     d = wheel_dir(version)
-    with _lock(d.parent / f".{version}.lock"):
+    with file_lock(d.parent / f".{version}.lock"):
         found = cached_wheel(version)  # built by another process while we waited
         if found:
             return found
@@ -227,22 +220,7 @@ class LlamaCppPythonServer:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL it; idempotent."""
-        import signal
-
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc, grace)
 
     def __enter__(self) -> LlamaCppPythonServer:
         try:

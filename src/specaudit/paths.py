@@ -8,7 +8,10 @@ that cannot be a directory (``/proc/foo``, an existing file) is a one-line `Cach
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from platformdirs import user_cache_dir
@@ -39,3 +42,16 @@ def cache_root() -> Path:
 
 
 __all__ = ["ENV_CACHE", "CacheError", "cache_root"]
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `path` (created with its parents): one process at a time
+    builds a cache entry; the others wait, then find it built."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -27,7 +27,6 @@ Why this shape:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -45,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from specaudit.errors import BuildError
-from specaudit.paths import cache_root
+from specaudit.paths import cache_root, file_lock
 
 DEFAULT_BUILD = 11434
 TARGETS = ("llama-server", "llama-speculative", "llama-speculative-simple")
@@ -303,7 +302,7 @@ def ensure(
     found = find(build, patches)
     if found is not None:
         return found
-    with _lock(llama_dir() / f".b{build}.lock"):
+    with file_lock(llama_dir() / f".b{build}.lock"):
         found = find(build, patches)  # another process may have finished it while we waited
         if found is not None:
             return found
@@ -312,16 +311,6 @@ def ensure(
 
 def _no_progress(pct: float, msg: str) -> None:
     pass
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with path.open("a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------------------------

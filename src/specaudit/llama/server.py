@@ -54,6 +54,25 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def stop_process_group(proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
+    """SIGTERM a server's process group, SIGKILL it after `grace` seconds; idempotent. Why the
+    group: a server started in its own session may have children of its own."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # the group may hold stragglers even after the leader exited
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 class LlamaServer:
     """A llama-server process bound to 127.0.0.1:<free port>, ready when `__enter__` returns.
 
@@ -185,21 +204,7 @@ class LlamaServer:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL it; idempotent."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        # the group may hold stragglers even after the leader exited
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc, grace)
         _LIVE.discard(self)
 
     def alive(self) -> bool:
