@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -550,13 +551,7 @@ def _expected_hashes(
     checked) and the patch bytes (hashed into the variant name) only.
     """
     variant = variant_name(patches, build)
-    memo_file = _memo_path(build)
-    try:
-        memo = json.loads(memo_file.read_text())
-        if not isinstance(memo, dict) or memo.get("version") != _MEMO_VERSION:
-            memo = {}
-    except (OSError, ValueError):
-        memo = {}
+    memo = _read_memo(build)
     have = memo.get(variant)
     if isinstance(have, dict) and rels <= have.keys():
         return {rel: have[rel] for rel in rels}
@@ -565,14 +560,18 @@ def _expected_hashes(
     return got
 
 
+def _read_memo(build: int) -> dict[str, Any]:
+    """The sources memo of `build`; empty if absent, unreadable or of another version."""
+    try:
+        memo = json.loads(_memo_path(build).read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) and memo.get("version") == _MEMO_VERSION else {}
+
+
 def _remember(build: int, variant: str, hashes: dict[str, str | None]) -> None:
     memo_file = _memo_path(build)
-    try:
-        memo = json.loads(memo_file.read_text())
-        if not isinstance(memo, dict) or memo.get("version") != _MEMO_VERSION:
-            memo = {}
-    except (OSError, ValueError):
-        memo = {}
+    memo = _read_memo(build)
     memo["version"] = _MEMO_VERSION
     entry = memo.get(variant)
     memo[variant] = {**(entry if isinstance(entry, dict) else {}), **hashes}
