@@ -87,6 +87,13 @@ class Metrics:
             "counter",
             ("backend",),
         )
+        self.fast_path = Family(
+            p + "fast_path_total",
+            "Requests the forwarding core took: served there, or given back to the full HTTP "
+            "stack before any byte was answered (which then served them).",
+            "counter",
+            ("outcome",),
+        )
         self.backend_up = Family(
             p + "backend_up",
             "1 when the backend answered its last check and may be used in its role.",
@@ -114,6 +121,7 @@ class Metrics:
             self.placeholders,
             self.tokens_checked,
             self.retries,
+            self.fast_path,
             self.backend_up,
             self.backend_speculating,
             self.in_flight,

@@ -36,8 +36,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from specaudit import __version__
+from specaudit.proxy import fast, routing, sse
 from specaudit.proxy import metrics as metrics_mod
-from specaudit.proxy import routing, sse
 from specaudit.proxy.backends import BackendStatus, State, assess, describe_error, probe
 from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError
 from specaudit.proxy.placeholders import Tally, check_body, check_event
@@ -168,20 +168,27 @@ class _ClientGuard:
     def __init__(self, timeout: float, limit: int, on_timeout: Callable[[str], None]) -> None:
         self.timeout, self.limit = timeout, limit
         self.on_timeout = on_timeout  # called with the peer when a 408 is sent in the headers
-        self._sending: dict[_RequestHandler, None] = {}  # insertion order: oldest first
+        # `_RequestHandler`s and `fast.Front`s, insertion order: oldest first
+        self._sending: dict[Any, None] = {}
 
     def __len__(self) -> int:
         return len(self._sending)
 
-    def begin(self, conn: _RequestHandler) -> None:
+    def begin(self, conn: Any) -> None:
         self._sending[conn] = None
         while len(self._sending) > self.limit:
             oldest = next(iter(self._sending))
             self.end(oldest)
             oldest.expire(evicted=True)
 
-    def end(self, conn: _RequestHandler) -> None:
+    def end(self, conn: Any) -> None:
         self._sending.pop(conn, None)
+
+    def replace(self, old: Any, new: Any) -> None:
+        """`new` takes `old`'s place in the order, if `old` has one (an evicted or finished
+        request has none: its deadline, already set, is all that is left to enforce)."""
+        if old in self._sending:
+            self._sending = {(new if c is old else c): None for c in self._sending}
 
     def message(self, evicted: bool) -> str:
         if evicted:
@@ -225,6 +232,34 @@ class _RequestHandler(web.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._begin(got_bytes=False)
+
+    def adopt(
+        self,
+        front: Any,
+        transport: asyncio.Transport,
+        data: bytes,
+        deadline: float,
+        got_bytes: bool,
+        evicted: bool,
+    ) -> None:
+        """Take over a connection the fast path (`fast.Front`) began: its bytes so far, and the
+        deadline of the request they begin (a passed one answers 408 at once), keeping its
+        place among the connections still sending (`_ClientGuard`)."""
+        guard, self.guard = self.guard, None  # `connection_made` must not start a new deadline
+        self.connection_made(transport)
+        self.guard = guard
+        if guard is not None:
+            self.phase, self.deadline = HEADERS, deadline
+            self.got_bytes, self.evicted = got_bytes or bool(data), evicted
+            guard.replace(front, self)
+            if data:
+                super().data_received(data)
+            # aiohttp sees the parsed headers in its task, which runs before this timer even
+            # when the deadline has passed: complete headers then go on to the body's deadline
+            self._timer = asyncio.get_running_loop().call_at(deadline, self.expire)
+            return
+        if data:
+            self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
         if data:
@@ -414,6 +449,8 @@ class _Outcome:
     note: str = ""
     shutdown: bool = False  # ended by the proxy stopping (`Proxy.stop`)
     upstream: aiohttp.StreamReader | None = None  # a stream's upstream body, while relayed
+    stop_stream: Callable[[], None] | None = None  # how `stop` ends a fast-path request
+    counted: bool = True  # False: given back by the fast path, counted by aiohttp's
 
 
 @dataclass
@@ -489,6 +526,12 @@ class Proxy:
         )
         # every request being served (aiohttp runs each in its own task), for a graceful stop
         self._inflight: dict[asyncio.Task[Any], _Outcome] = {}
+        # the fast path (`fast`): client connections it holds, kept-alive backend connections,
+        # requests it is serving per backend, and where each backend is (None: https)
+        self._fronts: set[fast.Front] = set()
+        self._pools: dict[str, list[fast.Upstream]] = {PLAIN: [], SPEC: []}
+        self._busy = {PLAIN: 0, SPEC: 0}
+        self._targets = {PLAIN: fast.target(config.plain), SPEC: fast.target(config.spec)}
         self._draining = False
         self._hurry: asyncio.Event | None = None
         self.port = config.port
@@ -546,7 +589,11 @@ class Proxy:
             loop = asyncio.get_running_loop()
             try:
                 self._server = await loop.create_server(
-                    self._web, self.config.host, self.config.port, reuse_address=True, backlog=1024
+                    lambda: fast.Front(self),
+                    self.config.host,
+                    self.config.port,
+                    reuse_address=True,
+                    backlog=1024,
                 )
             except OSError as e:
                 raise ProxyError(
@@ -573,6 +620,39 @@ class Proxy:
         except BaseException:
             await self._close_sessions()
             raise
+
+    def _new_handler(self) -> _RequestHandler:
+        """A connection handler of aiohttp's path, for a connection `fast.Front` gives up."""
+        assert self._web is not None
+        h = self._web()
+        assert isinstance(h, _RequestHandler)
+        return h
+
+    def _fast_role(self, p: Plan) -> str | None:
+        """The backend the fast path may send `p` to now; None: aiohttp's path decides."""
+        role = SPEC if p.route is Route.DEFAULT else PLAIN
+        if (
+            self.backends[role].state is not State.UP
+            or self._targets[role] is None
+            or self.config.total_timeout is not None
+            or self._busy[role] >= self.config.max_connections
+        ):
+            return None
+        return role
+
+    def _pool_get(self, role: str) -> fast.Upstream | None:
+        pool = self._pools[role]
+        now = asyncio.get_running_loop().time()
+        while pool:
+            up = pool.pop()
+            if not up.lost and now - up.idle_since < fast.POOL_IDLE:
+                return up
+            up.close()
+        return None
+
+    def _pool_put(self, role: str, up: fast.Upstream) -> None:
+        up.idle_since = asyncio.get_running_loop().time()
+        self._pools[role].append(up)
 
     def _bad_http(self, status: int) -> None:
         self.metrics.errors.inc("bad_request")
@@ -603,6 +683,12 @@ class Proxy:
         if self._server is not None:
             self._draining = True
             self._server.close()  # no new connections
+            for front in list(self._fronts):
+                if front.busy is None:
+                    if front.got_bytes and front.buf:
+                        front.hand_over()  # a request begun: aiohttp's path answers it (503)
+                    elif front.transport is not None:
+                        front.transport.close()  # idle: close now
             if self._web is not None:
                 for conn in self._web.connections:
                     phase = conn.phase if isinstance(conn, _RequestHandler) else IDLE
@@ -624,10 +710,16 @@ class Proxy:
             if self._web is not None:
                 # whatever is left (a client not reading its answer) is cut here
                 await self._web.shutdown(timeout=ABORT_WAIT / 2)
+            for front in list(self._fronts):
+                if front.transport is not None:
+                    front.transport.abort()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), ABORT_WAIT)
             self._server = None
         await self._close_sessions()
+        for pool in self._pools.values():
+            while pool:
+                pool.pop().close()
 
     async def _drain(self, grace: float) -> None:
         """Wait until no request is in flight, `grace` has passed, or `hurry` was called."""
@@ -654,7 +746,9 @@ class Proxy:
         if o.shutdown or task.done():
             return
         o.shutdown = True
-        if o.upstream is not None:
+        if o.stop_stream is not None:
+            o.stop_stream()  # a fast-path request: its stream's error event, or a 503
+        elif o.upstream is not None:
             # a stream being relayed: its loop ends with an error event (`_relay_stream`)
             o.upstream.set_exception(_ShuttingDown())
         else:
@@ -831,11 +925,7 @@ class Proxy:
                 task.uncancel()
                 self.metrics.errors.inc("shutdown")
                 o.status, o.note = 503, "shutting down"
-                resp = error_response(
-                    503,
-                    "the proxy is shutting down and the backend had not answered this request "
-                    f"within the {self.config.shutdown_grace:g}s grace period; retry",
-                )
+                resp = error_response(503, self._shutdown_message())
                 return resp
             self._disconnected(o)
             raise
@@ -848,24 +938,28 @@ class Proxy:
             conn = _conn(request)
             if conn is not None:
                 conn.body_done()
-            self.metrics.in_flight.inc(by=-1)
-            dt = time.perf_counter() - t0
-            self.metrics.duration_sum.inc(by=dt)
-            self.metrics.duration_count.inc()
-            if o.endpoint not in ("/health", "/metrics"):
-                self.metrics.requests.inc(o.endpoint, o.route, o.backend, str(o.status))
-            if log.isEnabledFor(logging.INFO):
-                log.info(
-                    "%s %s route=%s backend=%s status=%s%s %.1fms%s",
-                    request.method,
-                    o.endpoint,
-                    o.route,
-                    o.backend,
-                    o.status,
-                    "" if o.placeholders is None else f" placeholders={o.placeholders}",
-                    dt * 1000,
-                    f" ({o.note})" if o.note else "",
-                )
+            self._account(request.method, o, t0)
+
+    def _account(self, method: str, o: _Outcome, t0: float) -> None:
+        """One request answered (by either path): its counters and its access log line."""
+        self.metrics.in_flight.inc(by=-1)
+        dt = time.perf_counter() - t0
+        self.metrics.duration_sum.inc(by=dt)
+        self.metrics.duration_count.inc()
+        if o.endpoint not in ("/health", "/metrics"):
+            self.metrics.requests.inc(o.endpoint, o.route, o.backend, str(o.status))
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "%s %s route=%s backend=%s status=%s%s %.1fms%s",
+                method,
+                o.endpoint,
+                o.route,
+                o.backend,
+                o.status,
+                "" if o.placeholders is None else f" placeholders={o.placeholders}",
+                dt * 1000,
+                f" ({o.note})" if o.note else "",
+            )
 
     def _request_done(self, task: asyncio.Task[Any]) -> None:
         self._inflight.pop(task, None)
@@ -1224,18 +1318,26 @@ class Proxy:
             self.metrics.errors.inc(f"upstream_{status // 100}xx")
         elif check and p is not None:
             try:
-                t = check_body(p.kind, obj, p.requested)
-                if t.placeholders:
-                    raw = sse.encode_json(obj)  # lone surrogates stay escaped
+                raw, n = self._checked_body(p, raw, obj, role, o)
             except Exception as e:
                 # the body cannot be vouched for: withhold it rather than pass it unchecked
                 log.exception("checking the %s backend's response failed", role)
                 raise UpstreamFailed(500, "internal", _withheld(role, e)) from None
-            self._count(role, t, o)
-            headers[H_PLACEHOLDERS] = str(t.placeholders)
+            headers[H_PLACEHOLDERS] = str(n)
         ctype = resp.headers.get("Content-Type", "application/json")
         headers["Content-Type"] = ctype
         return web.Response(body=raw, status=status, headers=headers)
+
+    def _checked_body(
+        self, p: Plan, raw: bytes, obj: Any, role: str, o: _Outcome
+    ) -> tuple[bytes, int]:
+        """A logprobs response body checked: the bytes to send (re-encoded only when a
+        placeholder was rewritten to null) and how many were."""
+        t = check_body(p.kind, obj, p.requested)
+        if t.placeholders:
+            raw = sse.encode_json(obj)  # lone surrogates stay escaped
+        self._count(role, t, o)
+        return raw, t.placeholders
 
     def _count(self, role: str, t: Tally, o: _Outcome) -> None:
         o.placeholders = (o.placeholders or 0) + t.placeholders
@@ -1300,23 +1402,12 @@ class Proxy:
                         raise sse.BadEvent(bad[1])
                 if splitter.pending > limit:
                     raise sse.BadEvent(f"an event is over {limit} bytes")
-            if error is not None:
-                pass
-            elif splitter.rest().strip():
-                error = ("upstream_closed", f"the {role} backend ended the stream mid-event")
-            elif not st.finished:
-                error = (
-                    "upstream_closed",
-                    f"the {role} backend ended the stream without its final event",
-                )
+            if error is None:
+                error = self._unfinished(splitter, st, role)
         except sse.BadEvent as e:
             error = ("upstream_garbage", f"the {role} backend sent an invalid stream ({e})")
         except _ShuttingDown:
-            error = (
-                "shutdown",
-                f"the proxy is shutting down; the {role} backend's response did not finish within "
-                f"the {self.config.shutdown_grace:g}s grace period and is incomplete",
-            )
+            error = self._shutdown_error(role)
         except (TimeoutError, aiohttp.ServerTimeoutError):
             error = (
                 "upstream_timeout",
@@ -1340,20 +1431,50 @@ class Proxy:
         if check:
             self._count(role, st.tally, o)
         if error is not None:
-            self.metrics.errors.inc(error[0])
-            o.note = error[0]
-            tail = b""
-            if annotated:
-                tail += _count_comment(st.tally)
-            code = {"upstream_timeout": 504, "internal": 500, "shutdown": 503}.get(error[0], 502)
-            tail += sse.encode_event(
-                {"error": {"message": error[1], "type": ERROR_TYPES[code], "code": code}}
-            )
+            tail = self._stream_error(error, st, o, annotated)
             if not await self._send(out, tail, o):
                 return out
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out
+
+    def _unfinished(
+        self, splitter: sse.EventSplitter, st: _StreamState, role: str
+    ) -> tuple[str, str] | None:
+        """Why a stream whose backend ended it cleanly is still incomplete, if it is."""
+        if splitter.rest().strip():
+            return ("upstream_closed", f"the {role} backend ended the stream mid-event")
+        if not st.finished:
+            return (
+                "upstream_closed",
+                f"the {role} backend ended the stream without its final event",
+            )
+        return None
+
+    def _shutdown_message(self) -> str:
+        return (
+            "the proxy is shutting down and the backend had not answered this request "
+            f"within the {self.config.shutdown_grace:g}s grace period; retry"
+        )
+
+    def _shutdown_error(self, role: str) -> tuple[str, str]:
+        return (
+            "shutdown",
+            f"the proxy is shutting down; the {role} backend's response did not finish within "
+            f"the {self.config.shutdown_grace:g}s grace period and is incomplete",
+        )
+
+    def _stream_error(
+        self, error: tuple[str, str], st: _StreamState, o: _Outcome, annotated: bool
+    ) -> bytes:
+        """The end of a stream that failed: counted, then its SSE error event."""
+        self.metrics.errors.inc(error[0])
+        o.note = error[0]
+        tail = _count_comment(st.tally) if annotated else b""
+        code = {"upstream_timeout": 504, "internal": 500, "shutdown": 503}.get(error[0], 502)
+        return tail + sse.encode_event(
+            {"error": {"message": error[1], "type": ERROR_TYPES[code], "code": code}}
+        )
 
     def _events(
         self,

@@ -1,0 +1,697 @@
+"""The proxy's forwarding core: the common request served on raw asyncio protocols.
+
+Why: aiohttp's server and client cost about 0.5 ms of CPU per request and 1.5 ms per 8-token
+stream (docs/proxy.md), several times what the proxy's own work needs. On two cores that CPU
+comes out of the backend's share. This core serves the plain case, a well-formed ``POST`` to a
+generation endpoint whose backend is up, with one pass over the bytes each way and no
+re-encoding of unchanged bytes:
+
+- `Front` is each client connection's protocol. A request it does not take (another path or
+  method, a chunked body, a request the routing rules refuse, a backend not known to be up, a
+  stop in progress, a deadline passed) hands the whole connection, bytes read so far
+  included, to aiohttp (`server._RequestHandler.adopt`), which answers it exactly as before:
+  error bodies, 408/413, fallbacks and annotation keep one home.
+- `Upstream` is one connection to a backend: kept alive and reused for non-streamed requests
+  (idle at most 4 s, below llama-server's 5), a fresh one per stream (llama-server closes it).
+- Until the first byte goes to the client, anything unusual (a refused connection, a status
+  other than 200, a body that is not JSON) gives the request back to aiohttp, which sends it
+  again (generation requests have no side effects) and handles it the documented way. After
+  it, a stream ends with the same error events as aiohttp's path (`Proxy._stream_error`).
+
+Responses to logprobs requests are checked here with the same functions (`Proxy._events`,
+`Proxy._checked_body`); the counters, access log and graceful stop are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
+
+from specaudit.proxy import routing, server, sse, wire
+from specaudit.proxy.routing import Plan, RequestError, Route
+
+if TYPE_CHECKING:
+    from specaudit.proxy.server import Proxy, _Outcome
+
+log = logging.getLogger("specaudit.proxy")
+
+IDLE_KEEPALIVE = 75.0  # seconds an idle client connection stays open (aiohttp's default too)
+POOL_IDLE = 4.0  # seconds a pooled backend connection may idle (llama-server drops it at 5)
+PATHS = frozenset(p.encode() for p, (m, _) in routing.ENDPOINTS.items() if m == "POST")
+_KINDS = {p: k for p, (_, k) in routing.ENDPOINTS.items()}
+
+
+class Target:
+    """Where one backend's requests go: host, port and the request line's path prefix."""
+
+    def __init__(self, url: str) -> None:
+        u = urlsplit(url)
+        self.host = u.hostname or ""
+        self.port = u.port or 80
+        self.prefix = u.path
+        self.host_header = u.netloc.encode()
+
+
+def target(url: str) -> Target | None:
+    """A plain-HTTP backend the fast path can reach; None for https (aiohttp serves those)."""
+    return Target(url) if urlsplit(url).scheme == "http" else None
+
+
+class Front(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.px = proxy
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.busy: Exchange | None = None  # the request being served
+        self.gone = False
+        self.close_after = False
+        self.deadline = 0.0
+        self.got_bytes = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._paused = False
+
+    # connection ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.px._fronts.add(self)
+        self._begin(got_bytes=False)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.gone = True
+        self._stop_timers()
+        self.px._guard.end(self)
+        self.px._fronts.discard(self)
+        if self.busy is not None:
+            self.busy.client_gone()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self.busy is not None:
+            self.busy.pause()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.busy is not None:
+            self.busy.resume()
+
+    def data_received(self, data: bytes) -> None:
+        if self.busy is not None:  # pipelined behind the request being served
+            self.buf += data
+            if len(self.buf) > wire.MAX_HEAD + self.px.config.max_body_bytes:
+                assert self.transport is not None
+                self.transport.pause_reading()
+            return
+        if self._timer is None:  # the first byte of a new request on a kept-alive connection
+            self._begin(got_bytes=True)
+        self.got_bytes = True
+        self.buf += data
+        self._process()
+
+    # one request --------------------------------------------------------------------------
+
+    def _begin(self, got_bytes: bool) -> None:
+        """A request may be starting: it has the client timeout from now (`_ClientGuard`)."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        loop = asyncio.get_running_loop()
+        self.got_bytes = got_bytes
+        self.deadline = loop.time() + self.px._guard.timeout
+        self._timer = loop.call_at(self.deadline, self.expire)
+        self.px._guard.begin(self)
+
+    def _process(self) -> None:
+        buf = self.buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > wire.MAX_HEAD:
+                self.hand_over()
+            return
+        head = wire.parse_request_head(buf[:end], PATHS)
+        px = self.px
+        if head is None or head.length > px.config.max_body_bytes or px._draining:
+            self.hand_over()
+            return
+        total = end + 4 + head.length
+        if len(buf) < total:
+            return  # the body is still coming, within the same deadline
+        try:
+            p = routing.plan(_KINDS[head.path], buf[end + 4 : total])
+        except RequestError:
+            self.hand_over()  # aiohttp's path gives the 4xx and its message
+            return
+        role = px._fast_role(p)
+        if role is None:
+            self.hand_over()
+            return
+        self._stop_timers()
+        px._guard.end(self)
+        self.busy = Exchange(self, head, p, role, buf[:total])
+        self.buf = buf[total:]
+        asyncio.get_running_loop().create_task(self.busy.run())
+
+    def done(self, close: bool) -> None:
+        """The response is out: next request, or close."""
+        self.busy = None
+        t = self.transport
+        if t is None or self.gone:
+            return
+        if close or self.close_after or self.px._draining:
+            t.close()
+            return
+        if len(self.buf) <= wire.MAX_HEAD + self.px.config.max_body_bytes:
+            t.resume_reading()
+        if self.buf:
+            self._begin(got_bytes=True)
+            self._process()
+        else:
+            self._idle = asyncio.get_running_loop().call_later(IDLE_KEEPALIVE, t.close)
+
+    def give_back(self, ex: Exchange) -> None:
+        """The request could not be served here, and nothing of an answer was sent: aiohttp's
+        path serves it (and the rest of the connection)."""
+        self.busy = None
+        self.buf = ex.raw + self.buf
+        if self.transport is None or self.gone:
+            return
+        self.deadline = asyncio.get_running_loop().time() + self.px._guard.timeout
+        self.hand_over()
+
+    def expire(self, evicted: bool = False) -> None:
+        """Past the deadline (or pushed out by newer connections): aiohttp's handler sends the
+        408 and closes, as for any connection."""
+        self._timer = None
+        self.hand_over(expired=True, evicted=evicted)
+
+    def hand_over(self, expired: bool = False, evicted: bool = False) -> None:
+        """Give this connection to aiohttp for good, with the bytes read so far."""
+        self._stop_timers()
+        self.px._fronts.discard(self)
+        t, self.transport = self.transport, None
+        if t is None or t.is_closing():
+            self.px._guard.end(self)
+            return
+        handler = self.px._new_handler()
+        t.set_protocol(handler)
+        if self._paused:
+            handler.pause_writing()
+        t.resume_reading()
+        deadline = asyncio.get_running_loop().time() if expired else self.deadline
+        handler.adopt(self, t, self.buf, deadline, self.got_bytes, evicted)
+        self.buf = b""
+
+    def _stop_timers(self) -> None:
+        for h in (self._timer, self._idle):
+            if h is not None:
+                h.cancel()
+        self._timer = self._idle = None
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.gone:
+            self.transport.write(data)
+
+
+class Upstream(asyncio.Protocol):
+    """One connection to a backend, carrying one exchange at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.idle_since = 0.0
+        self.sink: Exchange | None = None
+        self._head: wire.ResponseHead | None = None
+        self._buf = b""
+        self._left = 0
+        self._dechunk: wire.Dechunker | None = None
+        self.reusable = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            if self._head is not None and self._head.length is None and not self._head.chunked:
+                sink.on_end()  # a body delimited by the connection's close
+            else:
+                sink.on_lost(exc)
+
+    def send(self, data: bytes, sink: Exchange) -> None:
+        self.sink, self._head, self._buf, self._dechunk = sink, None, b"", None
+        self.reusable = False
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.sink = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # bytes nobody asked for: this connection cannot be trusted again
+            self.close()
+            return
+        sink.last = sink.loop.time()
+        if self._head is None:
+            buf = self._buf + data if self._buf else data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self._buf = buf
+                if len(buf) > wire.MAX_RESPONSE_HEAD:
+                    sink.on_garbage("its response head is too long")
+                return
+            try:
+                self._head = head = wire.parse_response_head(buf[:end])
+            except ValueError as e:
+                sink.on_garbage(str(e))
+                return
+            self._buf = b""
+            if head.chunked:
+                self._dechunk = wire.Dechunker()
+            else:
+                self._left = head.length if head.length is not None else -1
+            if not sink.on_head(head):
+                return
+            data = buf[end + 4 :]
+            if not data and self._left != 0:
+                return
+        self._body(data, sink)
+
+    def _body(self, data: bytes, sink: Exchange) -> None:
+        head = self._head
+        assert head is not None
+        if self._dechunk is not None:
+            try:
+                pieces = self._dechunk.feed(data)
+            except ValueError as e:
+                sink.on_garbage(f"bad chunked encoding: {e}")
+                return
+            for piece in pieces:
+                sink.on_data(piece)
+                if self.sink is not sink:
+                    return
+            if self._dechunk.done:
+                self._finish(sink, extra=bool(self._dechunk.extra))
+            return
+        if self._left < 0:  # until close
+            if data:
+                sink.on_data(data)
+            return
+        if len(data) > self._left:
+            data, extra = data[: self._left], True
+        else:
+            extra = False
+        self._left -= len(data)
+        if data:
+            sink.on_data(data)
+        if self._left == 0 and self.sink is sink:
+            self._finish(sink, extra)
+
+    def _finish(self, sink: Exchange, extra: bool) -> None:
+        head = self._head
+        assert head is not None
+        self.sink = None
+        self.reusable = not (extra or head.close or self.lost)
+        sink.on_end()
+
+
+class Exchange:
+    """One request served by the fast path, from the backend's connection to the client's last
+    byte. Runs as a task (`run`), so a graceful stop can wait for it and end it."""
+
+    def __init__(self, front: Front, head: wire.RequestHead, p: Plan, role: str, raw: bytes):
+        self.front, self.head, self.p, self.role, self.raw = front, head, p, role, raw
+        self.px = front.px
+        self.loop = asyncio.get_running_loop()
+        self.last = 0.0  # loop time of the backend's last byte
+        self.check = p.route is Route.LOGPROBS
+        self.up: Upstream | None = None
+        self.resp: wire.ResponseHead | None = None
+        self.body: list[bytes] = []
+        self.size = 0
+        self.sent = False  # bytes of an answer have gone to the client
+        self.stream: _Relay | None = None
+        self.waiter: asyncio.Future[str] = self.loop.create_future()
+        self.outcome: _Outcome | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.error_kind = ""
+
+    # the backend's side (called by `Upstream`) --------------------------------------------
+
+    def _wake(self, how: str) -> None:
+        if not self.waiter.done():
+            self.waiter.set_result(how)
+
+    def on_head(self, head: wire.ResponseHead) -> bool:
+        self.resp = head
+        px = self.px
+        if head.status != 200:
+            self._wake("give-back")  # aiohttp's path relays errors (503: marked down, fallback)
+            return False
+        if head.mime == "text/event-stream" and self.p.stream:
+            assert self.outcome is not None
+            self.stream = _Relay(self, self.outcome)
+            self.sent = True
+            self.front.write(
+                wire.response_head(
+                    200,
+                    [
+                        *self._headers(),
+                        ("Content-Type", head.content_type or "text/event-stream"),
+                        ("Cache-Control", "no-cache"),
+                        ("X-Accel-Buffering", "no"),
+                    ],
+                    length=None,
+                )
+            )
+        elif head.length is not None and head.length > px.config.max_response_bytes:
+            self._wake("give-back")
+            return False
+        return True
+
+    def on_data(self, data: bytes) -> None:
+        if self.stream is not None:
+            self.stream.feed(data)
+            return
+        self.size += len(data)
+        if self.size > self.px.config.max_response_bytes:
+            self._wake("give-back")
+            return
+        self.body.append(data)
+
+    def on_end(self) -> None:
+        if self.stream is not None:
+            self.stream.end(None)
+        self._wake("end")
+
+    def on_lost(self, exc: BaseException | None) -> None:
+        if self.stream is not None:
+            self.stream.end(self.stream.closed_error(exc))
+        self._wake("lost")
+
+    def on_garbage(self, why: str) -> None:
+        if self.stream is not None:
+            self.stream.end(
+                ("upstream_garbage", f"the {self.role} backend sent an invalid stream ({why})")
+            )
+        self._wake("give-back")
+
+    # the client's side (called by `Front`) ------------------------------------------------
+
+    def client_gone(self) -> None:
+        self._wake("client-gone")
+
+    def pause(self) -> None:
+        if self.up is not None and self.up.transport is not None and not self.up.lost:
+            self.up.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.up is not None and self.up.transport is not None and not self.up.lost:
+            self.up.transport.resume_reading()
+
+    def shut_down(self) -> None:
+        """`Proxy.stop` ends this request at the end of the grace period."""
+        if self.stream is not None:
+            self.stream.end(self.px._shutdown_error(self.role))
+            self._wake("end")
+        else:
+            self._wake("shutdown")
+
+    # the request --------------------------------------------------------------------------
+
+    def _headers(self) -> list[tuple[str, str]]:
+        return [(server.H_BACKEND, self.role), (server.H_ROUTE, self.p.route.value)]
+
+    def _request_bytes(self, t: Target) -> bytes:
+        h = self.head
+        body = self.p.body
+        lines = [
+            b"POST " + t.prefix.encode() + h.path.encode() + b" HTTP/1.1\r\nHost: ",
+            t.host_header,
+            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body),
+        ]
+        if h.authorization is not None:
+            lines.append(b"Authorization: " + h.authorization + b"\r\n")
+        lines.append(b"\r\n")
+        lines.append(body)
+        return b"".join(lines)
+
+    def _arm(self) -> None:
+        """The read timeout: the backend's longest silence (checked lazily)."""
+        self._timer = self.loop.call_at(self.last + self.px.config.read_timeout, self._timeout)
+
+    def _timeout(self) -> None:
+        left = self.last + self.px.config.read_timeout - self.loop.time()
+        if left > 0:
+            self._timer = self.loop.call_later(left, self._timeout)
+            return
+        self._timer = None
+        if self.stream is not None:
+            self.stream.end(self.stream.timeout_error())
+            self._wake("end")
+        else:
+            self._wake("timeout")
+
+    async def run(self) -> None:
+        px, front = self.px, self.front
+        t0 = time.perf_counter()
+        px.metrics.in_flight.inc()
+        o = self.outcome = server._Outcome(
+            endpoint=self.head.path, route=self.p.route.value, backend=self.role
+        )
+        task = asyncio.current_task()
+        assert task is not None
+        px._inflight[task] = o
+        task.add_done_callback(px._request_done)
+        o.stop_stream = self.shut_down
+        close = self.head.close
+        try:
+            how = await self._exchange()
+            if how == "give-back":
+                raise _GiveBack
+            close = self._answer(how, o) or close
+        except _GiveBack:
+            o.counted = False
+            px.metrics.in_flight.inc(by=-1)
+            front.give_back(self)
+            return
+        except asyncio.CancelledError:
+            if not o.shutdown:
+                raise
+            close = True
+            self._answer("shutdown", o)
+        except Exception as e:  # a defect here must not lose the request
+            log.exception("the fast path failed on %s", self.head.path)
+            if self.sent:
+                px.metrics.errors.inc("internal")
+                o.status, o.note = o.status or 200, f"internal error: {type(e).__name__}"
+                close = True
+            else:
+                o.counted = False
+                px.metrics.in_flight.inc(by=-1)
+                front.give_back(self)
+                return
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            up = self.up
+            if up is not None:
+                if up.reusable and not up.lost and self.resp is not None and not self.p.stream:
+                    px._pool_put(self.role, up)
+                else:
+                    up.close()
+            px.metrics.fast_path.inc("served" if o.counted else "given_back")
+            if o.counted:
+                px._account("POST", o, t0)
+        front.done(close)
+
+    async def _exchange(self) -> str:
+        """Send the request; wait until the backend's answer is complete (or fails)."""
+        px = self.px
+        t = px._targets[self.role]
+        assert t is not None
+        data = self._request_bytes(t)
+        for attempt in range(2):
+            pooled = None if self.p.stream or attempt else px._pool_get(self.role)
+            if pooled is None:
+                try:
+                    async with asyncio.timeout(px.config.connect_timeout):
+                        _, up = await self.loop.create_connection(Upstream, t.host, t.port)
+                except (OSError, TimeoutError):
+                    return "give-back"  # aiohttp's path says why, marks it down, falls back
+            else:
+                up = pooled
+            self.up = up
+            self.last = self.loop.time()
+            up.send(data, self)
+            self._arm()
+            how = await self.waiter
+            if how == "lost" and pooled is not None and self.resp is None and not self.sent:
+                # a kept-alive connection the backend had closed: once more, on a fresh one
+                px.metrics.retries.inc(self.role)
+                self.waiter = self.loop.create_future()
+                if self._timer is not None:
+                    self._timer.cancel()
+                continue
+            if how == "lost" and not self.sent:
+                return "give-back"
+            return how
+        raise AssertionError("unreachable")
+
+    def _answer(self, how: str, o: _Outcome) -> bool:
+        """Write the response (or its end) to the client; True to close the connection."""
+        px, front = self.px, self.front
+        if self.stream is not None:
+            if how == "client-gone":
+                self.stream.client_gone()
+            return self.stream.close_after
+        if how == "client-gone":
+            px._disconnected(o)
+            return True
+        if how in ("timeout", "shutdown"):
+            if how == "timeout":
+                kind, status = "upstream_timeout", 504
+                msg = (
+                    f"the {self.role} backend sent nothing for {px.config.read_timeout:g}s"
+                    if self.resp is None
+                    else f"the {self.role} backend went silent for "
+                    f"{px.config.read_timeout:g}s mid-response"
+                )
+            else:
+                kind, status, msg = "shutdown", 503, px._shutdown_message()
+            px.metrics.errors.inc(kind)
+            o.status, o.note = status, kind if how == "timeout" else "shutting down"
+            body = server.error_body(status, msg)
+            headers = self._headers() if how == "timeout" else []
+            front.write(
+                wire.response_head(
+                    status,
+                    [*headers, ("Content-Type", "application/json; charset=utf-8")],
+                    length=len(body),
+                    close=how == "shutdown",
+                )
+                + body
+            )
+            return how == "shutdown"
+        # a whole JSON body
+        resp = self.resp
+        assert resp is not None
+        raw = b"".join(self.body)
+        try:
+            obj: Any = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise _GiveBack from None  # aiohttp's path answers the 502
+        if not isinstance(obj, dict | list):
+            raise _GiveBack
+        headers = self._headers()
+        if self.check:
+            # a failure here is a defect: `run` gives the request back, and aiohttp's path
+            # withholds the body with a 500 (never passes it unchecked)
+            raw, n = px._checked_body(self.p, raw, obj, self.role, o)
+            headers.append((server.H_PLACEHOLDERS, str(n)))
+        headers.append(("Content-Type", resp.content_type or "application/json"))
+        self.sent = True
+        o.status = 200
+        front.write(wire.response_head(200, headers, length=len(raw)) + raw)
+        return False
+
+
+class _GiveBack(Exception):
+    """A backend's 200 body the fast path does not vouch for: aiohttp's path handles it."""
+
+
+class _Relay:
+    """A stream relayed event by event as it arrives (the fast path's `_relay_stream`)."""
+
+    def __init__(self, ex: Exchange, o: _Outcome) -> None:
+        self.ex, self.o = ex, o
+        self.st = server._StreamState()
+        self.splitter = sse.EventSplitter()
+        self.ended = False
+        self.close_after = False
+
+    def feed(self, data: bytes) -> None:
+        if self.ended:
+            return
+        ex = self.ex
+        px = ex.px
+        events = self.splitter.feed(data)
+        if events:
+            pieces, bad = px._events(
+                events, ex.p, self.st, ex.role, check=ex.check, annotated=False
+            )
+            if pieces:
+                ex.front.write(wire.chunk(b"".join(pieces)))
+            if bad is not None:
+                if bad[0] != "internal":
+                    bad = (
+                        "upstream_garbage",
+                        f"the {ex.role} backend sent an invalid stream ({bad[1]})",
+                    )
+                self.end(bad)
+                ex._wake("end")
+                return
+        limit = px.config.max_response_bytes
+        if self.splitter.pending > limit:
+            self.end(
+                (
+                    "upstream_garbage",
+                    f"the {ex.role} backend sent an invalid stream "
+                    f"(an event is over {limit} bytes)",
+                )
+            )
+            ex._wake("end")
+
+    def closed_error(self, exc: BaseException | None) -> tuple[str, str]:
+        ex = self.ex
+        why = "closed the connection"
+        ex.px._mark_down(ex.role, why)
+        return (
+            "upstream_closed",
+            f"the {ex.role} backend {why} mid-stream; the response is incomplete",
+        )
+
+    def timeout_error(self) -> tuple[str, str]:
+        ex = self.ex
+        return (
+            "upstream_timeout",
+            f"the {ex.role} backend went silent for {ex.px.config.read_timeout:g}s",
+        )
+
+    def end(self, error: tuple[str, str] | None) -> None:
+        """The stream's end: its error event if any, then the last chunk."""
+        if self.ended:
+            return
+        self.ended = True
+        ex = self.ex
+        px = ex.px
+        if error is None:
+            error = px._unfinished(self.splitter, self.st, ex.role)
+        if ex.check:
+            px._count(ex.role, self.st.tally, self.o)
+        self.o.status = self.o.status or 200
+        tail = b""
+        if error is not None:
+            tail = px._stream_error(error, self.st, self.o, annotated=False)
+        ex.front.write((wire.chunk(tail) if tail else b"") + wire.LAST_CHUNK)
+        if ex.up is not None and error is not None:
+            ex.up.close()
+
+    def client_gone(self) -> None:
+        if not self.ended:
+            self.ended = True
+            if self.ex.check:
+                self.ex.px._count(self.ex.role, self.st.tally, self.o)
+            self.ex.px.metrics.errors.inc("client_disconnect")
+            self.o.status, self.o.note = 499, "client disconnected"
+        self.close_after = True
