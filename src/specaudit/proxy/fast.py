@@ -52,7 +52,7 @@ class Target:
         u = urlsplit(url)
         self.host = u.hostname or ""
         self.port = u.port or 80
-        self.prefix = u.path
+        self.prefix_b = u.path.encode()
         self.host_header = u.netloc.encode()
 
 
@@ -154,9 +154,9 @@ class Front(asyncio.Protocol):
             return
         self._stop_timers()
         px._guard.end(self)
-        self.busy = Exchange(self, head, p, role, buf[:total])
+        self.busy = ex = Exchange(self, head, p, role, buf[:total])
         self.buf = buf[total:]
-        asyncio.get_running_loop().create_task(self.busy.run())
+        ex.start()
 
     def done(self, close: bool) -> None:
         """The response is out: next request, or close."""
@@ -327,39 +327,108 @@ class Upstream(asyncio.Protocol):
 
 class Exchange:
     """One request served by the fast path, from the backend's connection to the client's last
-    byte. Runs as a task (`run`), so a graceful stop can wait for it and end it."""
+    byte. Driven by callbacks (a task only to open a connection); `Proxy.stop` waits for its
+    future and ends it through ``outcome.stop_stream``."""
 
     def __init__(self, front: Front, head: wire.RequestHead, p: Plan, role: str, raw: bytes):
         self.front, self.head, self.p, self.role, self.raw = front, head, p, role, raw
-        self.px = front.px
-        self.loop = asyncio.get_running_loop()
+        self.px = px = front.px
+        self.loop = loop = asyncio.get_running_loop()
+        self.t0 = time.perf_counter()
         self.last = 0.0  # loop time of the backend's last byte
         self.check = p.route is Route.LOGPROBS
         self.up: Upstream | None = None
+        self.pooled = False
+        self.attempt = 0
         self.resp: wire.ResponseHead | None = None
         self.body: list[bytes] = []
         self.size = 0
         self.sent = False  # bytes of an answer have gone to the client
         self.stream: _Relay | None = None
-        self.waiter: asyncio.Future[str] = self.loop.create_future()
-        self.outcome: _Outcome | None = None
+        self.finished = False
         self._timer: asyncio.TimerHandle | None = None
-        self.error_kind = ""
+        self.outcome = o = server._Outcome(endpoint=head.path, route=p.route.value, backend=role)
+        o.stop_stream = self.shut_down
+        self.done: asyncio.Future[None] = loop.create_future()
+        px._inflight[self.done] = o
+        self.done.add_done_callback(px._request_done)
+        px._busy[role] += 1
+        px.metrics.in_flight.inc()
+
+    # sending --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        up = None if self.p.stream or self.attempt else self.px._pool_get(self.role)
+        if up is None:
+            self.loop.create_task(self._connect())
+        else:
+            self.pooled = True
+            self._send(up)
+
+    async def _connect(self) -> None:
+        t = self.px._targets[self.role]
+        assert t is not None
+        try:
+            async with asyncio.timeout(self.px.config.connect_timeout):
+                _, up = await self.loop.create_connection(Upstream, t.host, t.port)
+        except (OSError, TimeoutError):
+            self._finish("give-back")  # aiohttp's path says why, marks it down, falls back
+            return
+        if self.finished:  # the client left (or the proxy stopped) meanwhile
+            up.close()
+            return
+        self.pooled = False
+        self._send(up)
+
+    def _send(self, up: Upstream) -> None:
+        self.up = up
+        self.last = self.loop.time()
+        t = self.px._targets[self.role]
+        assert t is not None
+        up.send(self._request_bytes(t), self)
+        if self._timer is None:
+            self._timer = self.loop.call_at(
+                self.last + self.px.config.read_timeout, self._read_timeout
+            )
+
+    def _request_bytes(self, t: Target) -> bytes:
+        h = self.head
+        body = self.p.body
+        auth = b"Authorization: " + h.authorization + b"\r\n" if h.authorization else b""
+        return (
+            b"POST %b%b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%b\r\n%b"
+            % (
+                t.prefix_b,
+                h.path_b,
+                t.host_header,
+                len(body),
+                auth,
+                body,
+            )
+        )
+
+    def _read_timeout(self) -> None:
+        """The backend's longest silence, checked lazily (no timer per byte)."""
+        left = self.last + self.px.config.read_timeout - self.loop.time()
+        if left > 0:
+            self._timer = self.loop.call_later(left, self._read_timeout)
+            return
+        self._timer = None
+        if self.stream is not None:
+            self.stream.end(self.stream.timeout_error())
+            self._finish("end")
+        else:
+            self._finish("timeout")
 
     # the backend's side (called by `Upstream`) --------------------------------------------
 
-    def _wake(self, how: str) -> None:
-        if not self.waiter.done():
-            self.waiter.set_result(how)
-
     def on_head(self, head: wire.ResponseHead) -> bool:
         self.resp = head
-        px = self.px
         if head.status != 200:
-            self._wake("give-back")  # aiohttp's path relays errors (503: marked down, fallback)
+            self._finish("give-back")  # aiohttp's path relays errors (503: marked down, fallback)
             return False
         if head.mime == "text/event-stream" and self.p.stream:
-            assert self.outcome is not None
             self.stream = _Relay(self, self.outcome)
             self.sent = True
             self.front.write(
@@ -374,8 +443,8 @@ class Exchange:
                     length=None,
                 )
             )
-        elif head.length is not None and head.length > px.config.max_response_bytes:
-            self._wake("give-back")
+        elif head.length is not None and head.length > self.px.config.max_response_bytes:
+            self._finish("give-back")
             return False
         return True
 
@@ -385,31 +454,41 @@ class Exchange:
             return
         self.size += len(data)
         if self.size > self.px.config.max_response_bytes:
-            self._wake("give-back")
+            self._finish("give-back")
             return
         self.body.append(data)
 
     def on_end(self) -> None:
         if self.stream is not None:
             self.stream.end(None)
-        self._wake("end")
+        self._finish("end")
 
     def on_lost(self, exc: BaseException | None) -> None:
+        if self.pooled and self.resp is None and not self.attempt and not self.finished:
+            # a kept-alive connection the backend had closed: once more, on a fresh one
+            self.px.metrics.retries.inc(self.role)
+            self.attempt = 1
+            self.start()
+            return
         if self.stream is not None:
-            self.stream.end(self.stream.closed_error(exc))
-        self._wake("lost")
+            self.stream.end(self.stream.closed_error())
+            self._finish("end")
+        else:
+            self._finish("give-back")
 
     def on_garbage(self, why: str) -> None:
         if self.stream is not None:
             self.stream.end(
                 ("upstream_garbage", f"the {self.role} backend sent an invalid stream ({why})")
             )
-        self._wake("give-back")
+            self._finish("end")
+        else:
+            self._finish("give-back")
 
     # the client's side (called by `Front`) ------------------------------------------------
 
     def client_gone(self) -> None:
-        self._wake("client-gone")
+        self._finish("client-gone")
 
     def pause(self) -> None:
         if self.up is not None and self.up.transport is not None and not self.up.lost:
@@ -423,130 +502,56 @@ class Exchange:
         """`Proxy.stop` ends this request at the end of the grace period."""
         if self.stream is not None:
             self.stream.end(self.px._shutdown_error(self.role))
-            self._wake("end")
+            self._finish("end")
         else:
-            self._wake("shutdown")
+            self._finish("shutdown")
 
-    # the request --------------------------------------------------------------------------
+    # the end --------------------------------------------------------------------------------
 
     def _headers(self) -> list[tuple[str, str]]:
         return [(server.H_BACKEND, self.role), (server.H_ROUTE, self.p.route.value)]
 
-    def _request_bytes(self, t: Target) -> bytes:
-        h = self.head
-        body = self.p.body
-        lines = [
-            b"POST " + t.prefix.encode() + h.path.encode() + b" HTTP/1.1\r\nHost: ",
-            t.host_header,
-            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body),
-        ]
-        if h.authorization is not None:
-            lines.append(b"Authorization: " + h.authorization + b"\r\n")
-        lines.append(b"\r\n")
-        lines.append(body)
-        return b"".join(lines)
-
-    def _arm(self) -> None:
-        """The read timeout: the backend's longest silence (checked lazily)."""
-        self._timer = self.loop.call_at(self.last + self.px.config.read_timeout, self._timeout)
-
-    def _timeout(self) -> None:
-        left = self.last + self.px.config.read_timeout - self.loop.time()
-        if left > 0:
-            self._timer = self.loop.call_later(left, self._timeout)
+    def _finish(self, how: str) -> None:
+        """The exchange is over (`how`): answer, or give the request back; then clean up."""
+        if self.finished:
             return
-        self._timer = None
-        if self.stream is not None:
-            self.stream.end(self.stream.timeout_error())
-            self._wake("end")
-        else:
-            self._wake("timeout")
-
-    async def run(self) -> None:
-        px, front = self.px, self.front
-        t0 = time.perf_counter()
-        px.metrics.in_flight.inc()
-        o = self.outcome = server._Outcome(
-            endpoint=self.head.path, route=self.p.route.value, backend=self.role
-        )
-        task = asyncio.current_task()
-        assert task is not None
-        px._inflight[task] = o
-        task.add_done_callback(px._request_done)
-        o.stop_stream = self.shut_down
+        self.finished = True
+        px, front, o = self.px, self.front, self.outcome
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         close = self.head.close
-        try:
-            how = await self._exchange()
-            if how == "give-back":
-                raise _GiveBack
-            close = self._answer(how, o) or close
-        except _GiveBack:
-            o.counted = False
+        give_back = how == "give-back"
+        if not give_back:
+            try:
+                close = self._answer(how, o) or close
+            except _GiveBack:
+                give_back = True
+            except Exception as e:  # a defect here must not lose the request
+                log.exception("the fast path failed on %s", self.head.path)
+                if self.sent:
+                    px.metrics.errors.inc("internal")
+                    o.note = f"internal error: {type(e).__name__}"
+                    close = True
+                else:
+                    give_back = True
+        up = self.up
+        if up is not None:
+            if up.reusable and not up.lost and not self.p.stream and how == "end":
+                px._pool_put(self.role, up)
+            else:
+                up.close()
+        px._busy[self.role] -= 1
+        if give_back and not self.sent:
+            px.metrics.fast_path.inc("given_back")
             px.metrics.in_flight.inc(by=-1)
+            self.done.set_result(None)
             front.give_back(self)
             return
-        except asyncio.CancelledError:
-            if not o.shutdown:
-                raise
-            close = True
-            self._answer("shutdown", o)
-        except Exception as e:  # a defect here must not lose the request
-            log.exception("the fast path failed on %s", self.head.path)
-            if self.sent:
-                px.metrics.errors.inc("internal")
-                o.status, o.note = o.status or 200, f"internal error: {type(e).__name__}"
-                close = True
-            else:
-                o.counted = False
-                px.metrics.in_flight.inc(by=-1)
-                front.give_back(self)
-                return
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-            up = self.up
-            if up is not None:
-                if up.reusable and not up.lost and self.resp is not None and not self.p.stream:
-                    px._pool_put(self.role, up)
-                else:
-                    up.close()
-            px.metrics.fast_path.inc("served" if o.counted else "given_back")
-            if o.counted:
-                px._account("POST", o, t0)
+        px.metrics.fast_path.inc("served")
+        px._account("POST", o, self.t0)
+        self.done.set_result(None)
         front.done(close)
-
-    async def _exchange(self) -> str:
-        """Send the request; wait until the backend's answer is complete (or fails)."""
-        px = self.px
-        t = px._targets[self.role]
-        assert t is not None
-        data = self._request_bytes(t)
-        for attempt in range(2):
-            pooled = None if self.p.stream or attempt else px._pool_get(self.role)
-            if pooled is None:
-                try:
-                    async with asyncio.timeout(px.config.connect_timeout):
-                        _, up = await self.loop.create_connection(Upstream, t.host, t.port)
-                except (OSError, TimeoutError):
-                    return "give-back"  # aiohttp's path says why, marks it down, falls back
-            else:
-                up = pooled
-            self.up = up
-            self.last = self.loop.time()
-            up.send(data, self)
-            self._arm()
-            how = await self.waiter
-            if how == "lost" and pooled is not None and self.resp is None and not self.sent:
-                # a kept-alive connection the backend had closed: once more, on a fresh one
-                px.metrics.retries.inc(self.role)
-                self.waiter = self.loop.create_future()
-                if self._timer is not None:
-                    self._timer.cancel()
-                continue
-            if how == "lost" and not self.sent:
-                return "give-back"
-            return how
-        raise AssertionError("unreachable")
 
     def _answer(self, how: str, o: _Outcome) -> bool:
         """Write the response (or its end) to the client; True to close the connection."""
@@ -567,12 +572,15 @@ class Exchange:
                     else f"the {self.role} backend went silent for "
                     f"{px.config.read_timeout:g}s mid-response"
                 )
+                o.note = kind
             else:
                 kind, status, msg = "shutdown", 503, px._shutdown_message()
+                o.note = "shutting down"
             px.metrics.errors.inc(kind)
-            o.status, o.note = status, kind if how == "timeout" else "shutting down"
+            o.status = status
             body = server.error_body(status, msg)
             headers = self._headers() if how == "timeout" else []
+            self.sent = True
             front.write(
                 wire.response_head(
                     status,
@@ -586,7 +594,7 @@ class Exchange:
         # a whole JSON body
         resp = self.resp
         assert resp is not None
-        raw = b"".join(self.body)
+        raw = b"".join(self.body) if len(self.body) != 1 else self.body[0]
         try:
             obj: Any = json.loads(raw)
         except (ValueError, RecursionError):
@@ -595,7 +603,7 @@ class Exchange:
             raise _GiveBack
         headers = self._headers()
         if self.check:
-            # a failure here is a defect: `run` gives the request back, and aiohttp's path
+            # a failure here is a defect: the request goes back, and aiohttp's path
             # withholds the body with a 500 (never passes it unchecked)
             raw, n = px._checked_body(self.p, raw, obj, self.role, o)
             headers.append((server.H_PLACEHOLDERS, str(n)))
@@ -639,7 +647,7 @@ class _Relay:
                         f"the {ex.role} backend sent an invalid stream ({bad[1]})",
                     )
                 self.end(bad)
-                ex._wake("end")
+                ex._finish("end")
                 return
         limit = px.config.max_response_bytes
         if self.splitter.pending > limit:
@@ -650,9 +658,9 @@ class _Relay:
                     f"(an event is over {limit} bytes)",
                 )
             )
-            ex._wake("end")
+            ex._finish("end")
 
-    def closed_error(self, exc: BaseException | None) -> tuple[str, str]:
+    def closed_error(self) -> tuple[str, str]:
         ex = self.ex
         why = "closed the connection"
         ex.px._mark_down(ex.role, why)

@@ -525,7 +525,7 @@ class Proxy:
             config.client_timeout, config.max_incomplete_requests, self._client_timed_out
         )
         # every request being served (aiohttp runs each in its own task), for a graceful stop
-        self._inflight: dict[asyncio.Task[Any], _Outcome] = {}
+        self._inflight: dict[asyncio.Future[Any], _Outcome] = {}
         # the fast path (`fast`): client connections it holds, kept-alive backend connections,
         # requests it is serving per backend, and where each backend is (None: https)
         self._fronts: set[fast.Front] = set()
@@ -741,7 +741,7 @@ class Proxy:
                 if waiter is not None:
                     waiter.cancel()
 
-    def _abort(self, task: asyncio.Task[Any], o: _Outcome) -> None:
+    def _abort(self, task: asyncio.Future[Any], o: _Outcome) -> None:
         """End one request at the end of the grace period."""
         if o.shutdown or task.done():
             return
@@ -961,7 +961,7 @@ class Proxy:
                 f" ({o.note})" if o.note else "",
             )
 
-    def _request_done(self, task: asyncio.Task[Any]) -> None:
+    def _request_done(self, task: asyncio.Future[Any]) -> None:
         self._inflight.pop(task, None)
 
     def _disconnected(self, o: _Outcome) -> None:

@@ -28,6 +28,7 @@ class RequestHead:
     connection."""
 
     path: str
+    path_b: bytes
     length: int
     close: bool  # the client sent ``Connection: close``
     authorization: bytes | None
@@ -69,7 +70,7 @@ def parse_request_head(head: bytes, paths: frozenset[bytes]) -> RequestHead | No
             auth = value
     if length is None:
         return None
-    return RequestHead(parts[1].decode("ascii"), length, close, auth)
+    return RequestHead(parts[1].decode("ascii"), parts[1], length, close, auth)
 
 
 @dataclass(slots=True)
