@@ -119,6 +119,14 @@ EPILOG = (
     show_default=True,
     help="Access and state logs, on stderr.",
 )
+@click.option(
+    "--loop",
+    "loop_kind",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="Event loop: uvloop when installed (auto), or asyncio's own.",
+)
 @json_option
 def command(
     plain: str,
@@ -133,6 +141,7 @@ def command(
     shutdown_grace: float,
     check_interval: float,
     log_level: str,
+    loop_kind: str,
     as_json: bool,
 ) -> None:
     """Route logprobs requests to a plain llama-server and the rest to a speculating one.
@@ -183,7 +192,7 @@ def command(
     logger.setLevel(log_level.upper())
     logger.propagate = False
     try:
-        stats = run(config, on_ready=ready)
+        stats = run(config, on_ready=ready, loop=loop_kind)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved[0])

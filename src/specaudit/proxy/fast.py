@@ -296,8 +296,9 @@ class Upstream(asyncio.Protocol):
             except ValueError as e:
                 sink.on_garbage(f"bad chunked encoding: {e}")
                 return
-            for piece in pieces:
-                sink.on_data(piece)
+            if pieces:
+                # what arrived together goes on together: one pass, one write to the client
+                sink.on_data(pieces[0] if len(pieces) == 1 else b"".join(pieces))
                 if self.sink is not sink:
                     return
             if self._dechunk.done:

@@ -10,14 +10,36 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from specaudit.proxy.config import ProxyConfig
+from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.server import Proxy, ProxyStats
+
+LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def new_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
+    """The proxy's event loop: uvloop when installed (``auto``), else asyncio's own.
+
+    Why uvloop: on the forwarding core (`fast`) the loop's own work is a large share of the
+    proxy's CPU per request; benchmarks/bench_proxy_loop.py measures both side by side.
+    """
+    if kind not in LOOPS:
+        raise ProxyError(f"event loop must be one of {', '.join(LOOPS)}, got {kind!r}")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise ProxyError("--loop uvloop: uvloop is not installed") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def run(
     config: ProxyConfig,
     on_ready: Callable[[Proxy], None] | None = None,
     stop: asyncio.Event | None = None,
+    loop: str = "auto",
 ) -> ProxyStats:
     """Serve until SIGINT/SIGTERM (or `stop` is set); return what the proxy did.
 
@@ -57,7 +79,8 @@ def run(
         # snapshot used to be taken before, and a proxy stopped mid-stream said "0 requests")
         return proxy.stats()
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=lambda: new_loop(loop)) as runner:
+        return runner.run(main())
 
 
 @dataclass
@@ -84,9 +107,9 @@ async def _stats(p: Proxy) -> ProxyStats:
 
 
 @contextlib.contextmanager
-def serve_in_thread(config: ProxyConfig) -> Iterator[RunningProxy]:
+def serve_in_thread(config: ProxyConfig, loop_kind: str = "auto") -> Iterator[RunningProxy]:
     """``with serve_in_thread(cfg) as rp: rp.url`` — started (roles checked) on entry."""
-    loop = asyncio.new_event_loop()
+    loop = new_loop(loop_kind)
     thread = threading.Thread(target=loop.run_forever, name="specaudit-proxy", daemon=True)
     thread.start()
     proxy = Proxy(config)
