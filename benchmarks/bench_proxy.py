@@ -3,9 +3,12 @@ connection to the same fixture llama-server, at concurrency 1, 16 and 64, stream
 and, in the same run, LiteLLM's proxy with the specaudit callback and LiteLLM alone.
 
     .venv/bin/python benchmarks/bench_proxy.py [--rounds 3] [--scale 1.0] [--threads 1]
-        [--gemma] [--no-litellm] [--litellm-scale 0.1]
+        [--gemma] [--no-litellm] [--no-floor] [--litellm-scale 0.1]
 
-Targets (the `target` column): ``specaudit`` = `specaudit proxy`; ``litellm+sa`` = the
+Targets (the `target` column): ``specaudit`` = `specaudit proxy` (on uvloop, its default
+when installed); ``sa/asyncio`` = the same with ``--loop asyncio``; ``relay`` = a byte relay
+that parses nothing (benchmarks/relay_floor.py, uvloop), the floor under any Python proxy
+here, so the table shows how much of the proxy's cost is the second hop itself; ``litellm+sa`` = the
 ``litellm`` proxy process with ``specaudit.integrations.litellm.handler`` in its config.yaml,
 one model group holding both servers (the callback routes); ``litellm`` = the same process
 without the callback, one model group per server (so it reaches the same backend as the
@@ -229,6 +232,20 @@ def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterato
         "warning",
         *extra,
     ]
+    yield from _serving(cmd, port)
+
+
+@contextmanager
+def relay_process(upstream: str) -> Iterator[tuple[str, int]]:
+    """benchmarks/relay_floor.py in front of one server: what a proxy costs that reads nothing."""
+    port = free_port()
+    host, _, up_port = upstream.removeprefix("http://").partition(":")
+    cmd = [sys.executable, str(Path(__file__).with_name("relay_floor.py")), host, up_port]
+    yield from _serving([*cmd, str(port), "uvloop"], port)
+
+
+def _serving(cmd: list[str], port: int) -> Iterator[tuple[str, int]]:
+    """Start `cmd` (listening on `port`), wait until /health answers through it, stop it after."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_pdeathsig
     )  # dies with us
@@ -240,7 +257,7 @@ def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterato
                 err = proc.stderr.read().decode() if proc.stderr else ""
                 raise RuntimeError(f"proxy exited: {err.strip()[-300:]}")
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:  # via the relay too
                     break
             except httpx.HTTPError:
                 pass
@@ -330,6 +347,11 @@ class Row:
 
     def pooled(self, runs: list[Run]) -> list[float]:
         return [x for r in runs for x in r.latencies]
+
+    def cpu_px(self) -> float:
+        """The proxy's CPU microseconds per request."""
+        n = len(self.pooled(self.proxied)) or 1
+        return sum(r.proxy_cpu for r in self.proxied) / n * 1e6
 
     def line(self) -> str:
         d, p = self.pooled(self.direct), self.pooled(self.proxied)
@@ -471,6 +493,9 @@ def main() -> None:
     )
     ap.add_argument("--no-litellm", action="store_true", help="leave out the LiteLLM rows")
     ap.add_argument(
+        "--no-floor", action="store_true", help="leave out the relay and sa/asyncio rows"
+    )
+    ap.add_argument(
         "--litellm-scale", type=float, default=0.1, help="LiteLLM's share of the request count"
     )
     args = ap.parse_args()
@@ -486,21 +511,32 @@ def main() -> None:
         plain, spec = stack.enter_context(fixture_servers(tmp, args.threads))
         px_url, px_pid = stack.enter_context(proxy_process(plain.url, spec.url))
         targets = [Target("specaudit", px_url, px_pid)]
+        plain_targets = list(targets)
+        if not args.no_floor:
+            aio = stack.enter_context(proxy_process(plain.url, spec.url, ("--loop", "asyncio")))
+            targets.append(Target("sa/asyncio", *aio))
+            plain_targets.append(targets[-1])
+            targets.append(Target("relay", *stack.enter_context(relay_process(spec.url))))
+            plain_targets.append(Target("relay", *stack.enter_context(relay_process(plain.url))))
         if not args.no_litellm:
             groups = {"fx": [plain.url, spec.url]}
             lsa = stack.enter_context(litellm_process(tmp, "litellm-sa", groups, True))
             alone = {"fx-spec": [spec.url], "fx-plain": [plain.url]}
             lal = stack.enter_context(litellm_process(tmp, "litellm", alone, False))
-            targets += [
+            lite = [
                 Target("litellm+sa", *lsa, "fx", "fx", args.litellm_scale),
                 Target("litellm", *lal, "fx-spec", "fx-plain", args.litellm_scale),
             ]
+            targets += lite
+            plain_targets += lite
         print(LEGEND)
         print(HEADER)
         rows = bench(
             spec, targets, "default", False, [1, 16, 64], args.rounds, args.scale, args.path
         )
-        rows += bench(plain, targets, "logprobs", True, [16], args.rounds, args.scale, args.path)
+        rows += bench(
+            plain, plain_targets, "logprobs", True, [16], args.rounds, args.scale, args.path
+        )
         if not args.no_litellm:
             print(callback_cost(plain.url, spec.url), flush=True)
     if args.gemma:
@@ -518,7 +554,18 @@ def main() -> None:
                 prompt="Explain how a CPU branch predictor works.",
                 max_tokens=16,
             )
+    floor = {(r.label, r.stream, r.conc): r.cpu_px() for r in rows if r.target == "relay"}
     rows = [r for r in rows if r.target == "specaudit"]  # the goals are specaudit proxy's
+    for stream, goal in ((False, 150), (True, 400)):
+        mine = [r for r in rows if r.stream == stream and r.label == "default"]
+        if mine:
+            worst = max(mine, key=lambda r: r.cpu_px())
+            relay = floor.get((worst.label, worst.stream, worst.conc))
+            print(
+                f"proxy CPU per {'8-token stream' if stream else 'JSON request'}: worst "
+                f"{worst.cpu_px():.0f} us at concurrency {worst.conc} (goal <= {goal} us)"
+                + (f"; the byte relay there: {relay:.0f} us" if relay is not None else "")
+            )
     worst99 = max(pct(r.pooled(r.proxied), 99) - pct(r.pooled(r.direct), 99) for r in rows)
     worst_ratio = min(
         statistics.median(x.rps for x in r.proxied) / statistics.median(x.rps for x in r.direct)

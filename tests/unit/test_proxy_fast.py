@@ -1,0 +1,294 @@
+"""The proxy's forwarding core (`proxy.fast`, `proxy.wire`): strict framing, and requests it
+serves itself or hands to aiohttp's path, against in-process fake backends."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from aiohttp import web
+
+import fakes
+from specaudit.proxy import ProxyConfig, RunningProxy, fast, serve_in_thread, wire
+
+PATHS = fast.PATHS
+HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8081\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 12\r\n"
+)
+
+
+# request heads -----------------------------------------------------------------------------
+
+
+def parse(head: bytes) -> wire.RequestHead | None:
+    """As `fast.Front` calls it: the head without its blank line's CRLF pair."""
+    return wire.parse_request_head(head.removesuffix(b"\r\n"), PATHS)
+
+
+def test_a_plain_post_is_taken() -> None:
+    assert parse(HEAD) is not None
+    h = parse(HEAD + b"Authorization: Bearer k\r\n")
+    assert h is not None
+    assert (h.path, h.length, h.close, h.authorization) == (
+        "/v1/completions",
+        12,
+        False,
+        b"Bearer k",
+    )
+    closing = parse(HEAD + b"Connection: keep-alive, Close\r\n")
+    assert closing is not None and closing.close
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        HEAD.replace(b"POST", b"GET"),
+        HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"),
+        HEAD.replace(b"/v1/completions", b"/v1/completions?x=1"),
+        HEAD.replace(b"/v1/completions", b"/health"),
+        HEAD.replace(b"/v1/completions", b"/v1/models"),
+        HEAD.replace(b"Content-Length: 12", b"Transfer-Encoding: chunked"),
+        HEAD + b"Transfer-Encoding: chunked\r\n",
+        HEAD + b"Content-Length: 12\r\n",  # two of them
+        HEAD.replace(b"12", b"+12"),
+        HEAD.replace(b"Content-Length: 12\r\n", b""),
+        HEAD + b"Expect: 100-continue\r\n",
+        HEAD + b"Upgrade: websocket\r\nConnection: Upgrade\r\n",
+        HEAD + b" folded\r\n",  # obs-fold
+        HEAD + b"X-Name: caf\xc3\xa9\r\n",  # not ASCII: aiohttp decides
+        HEAD + b"Bad Name: x\r\n",
+        HEAD + b"Authorization: a\r\nAuthorization: b\r\n",
+        HEAD.replace(b"\r\n", b"\n"),  # bare LF
+    ],
+)
+def test_anything_else_goes_to_aiohttp(head: bytes) -> None:
+    assert parse(head) is None
+
+
+# response heads and chunked bodies ----------------------------------------------------------
+
+
+def test_response_heads() -> None:
+    h = wire.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n"
+        b"Content-Length: 40\r\nKeep-Alive: timeout=5, max=100"
+    )
+    assert (h.status, h.mime, h.length, h.chunked, h.close) == (
+        200,
+        "application/json",
+        40,
+        False,
+        False,
+    )
+    s = wire.parse_response_head(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+    )
+    assert s.chunked and s.length is None and not s.close
+    assert wire.parse_response_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1").close
+    assert wire.parse_response_head(b"HTTP/1.1 200 OK").close  # body until close
+    assert wire.parse_response_head(
+        b"HTTP/1.1 503 x\r\nConnection: close\r\nContent-Length: 0"
+    ).close
+    for bad in (
+        b"\x00\x01SSH-2.0-nope",
+        b"HTTP/1.1 20 OK",
+        b"HTTP/2 200 OK",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2",
+        b"HTTP/1.1 200 OK\r\nno colon here",
+    ):
+        with pytest.raises(ValueError):
+            wire.parse_response_head(bad)
+
+
+def _chunked(pieces: list[bytes], ext: bool, trailers: bool) -> bytes:
+    out = b""
+    for p in pieces:
+        out += b"%x%b\r\n%b\r\n" % (len(p), b";name=v" if ext else b"", p)
+    return out + b"0\r\n" + (b"X-Trailer: 1\r\n" if trailers else b"") + b"\r\n"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dechunking_survives_any_split(seed: int) -> None:
+    rng = random.Random(seed)
+    pieces = [rng.randbytes(rng.randint(1, 300)) for _ in range(rng.randint(1, 12))]
+    raw = _chunked(pieces, ext=seed % 3 == 0, trailers=seed % 2 == 0) + b"EXTRA" * (seed % 4 == 1)
+    d = wire.Dechunker()
+    got = b""
+    i = 0
+    while i < len(raw) and not d.done:
+        k = rng.randint(1, 40)
+        got += b"".join(d.feed(raw[i : i + k]))
+        i += k
+    assert d.done and got == b"".join(pieces)
+    assert (d.extra + raw[i:]).startswith(b"EXTRA") == (seed % 4 == 1)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"zz\r\nab\r\n", b"2\r\nabX\r\n", b"2" * 5000, b"-1\r\n", b"10000000000000000\r\n"]
+)
+def test_broken_chunking_is_an_error(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        wire.Dechunker().feed(raw)
+
+
+def test_response_head_for_the_client() -> None:
+    h = wire.response_head(200, [("X-A", "b")], length=3)
+    assert h.startswith(b"HTTP/1.1 200 OK\r\nX-A: b\r\nContent-Length: 3\r\nDate: ")
+    assert h.endswith(b" GMT\r\n\r\n")
+    c = wire.response_head(503, [], length=None, close=True)
+    assert b"Transfer-Encoding: chunked\r\nConnection: close\r\n" in c
+    assert wire.chunk(b"abc") == b"3\r\nabc\r\n" and wire.LAST_CHUNK == b"0\r\n\r\n"
+
+
+def test_https_backends_are_left_to_aiohttp() -> None:
+    assert fast.target("https://example.com:8443/x") is None
+    t = fast.target("http://127.0.0.1:8080/prefix")
+    assert t is not None and (t.host, t.port, t.prefix_b) == ("127.0.0.1", 8080, b"/prefix")
+
+
+# through a proxy ------------------------------------------------------------------------------
+
+
+@contextmanager
+def proxy_over(spec_handler: fakes.Handler, loop: str = "auto") -> Iterator[RunningProxy]:
+    with (
+        fakes.serve(fakes.Fake("ok")) as plain,
+        fakes.serve(spec_handler) as spec,
+        serve_in_thread(ProxyConfig(plain.url, spec.url, port=0, check_interval=3600), loop) as p,
+    ):
+        yield p
+
+
+def metric(p: RunningProxy, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one family on /metrics."""
+    out = {}
+    for line in httpx.get(p.url + "/metrics").text.splitlines():
+        m = re.fullmatch(rf"specaudit_proxy_{name}(\{{.*\}})? (\S+)", line)
+        if m:
+            out[m[1] or ""] = float(m[2])
+    return out
+
+
+BODY = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+
+
+def raw_request(body: bytes = BODY, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%b\r\n%b" % (len(body), extra, body)
+    )
+
+
+def read_responses(sock: socket.socket, n: int) -> list[tuple[int, bytes]]:
+    """`n` Content-Length responses read off a socket: (status, body)."""
+    buf = b""
+    out = []
+    while len(out) < n:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed after {len(out)} responses: {buf!r}"
+            buf += chunk
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])  # type: ignore[index]
+        while len(buf) < length:
+            buf += sock.recv(65536)
+        out.append((int(head.split()[1]), buf[:length]))
+        buf = buf[length:]
+    return out
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_kept_alive_requests_are_served_by_the_core(loop: str) -> None:
+    with proxy_over(fakes.Fake("ok", speculative=True), loop) as p, httpx.Client() as c:
+        for _ in range(20):
+            r = c.post(p.url + "/v1/completions", content=BODY)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a"
+            assert r.headers["x-specaudit-backend"] == "spec"
+        assert metric(p, "fast_path_total") == {'{outcome="served"}': 20}
+        reqs = metric(p, "requests_total")
+        assert (
+            reqs['{endpoint="/v1/completions",route="default",backend="spec",status="200"}'] == 20
+        )
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    with proxy_over(fakes.Fake("ok", speculative=True)) as p:
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            bad = b'{"prompt": 1}'  # refused by the routing rules: aiohttp's path answers 400
+            s.sendall(raw_request() + raw_request() + raw_request(bad) + raw_request())
+            got = read_responses(s, 4)
+        assert [st for st, _ in got] == [200, 200, 400, 200]
+        assert "prompt" in json.loads(got[2][1])["error"]["message"]
+        # the core served the first two; the refused one moved the connection to aiohttp
+        assert metric(p, "fast_path_total") == {'{outcome="served"}': 2}
+
+
+def test_a_chunked_request_and_health_on_the_same_connection() -> None:
+    with proxy_over(fakes.Fake("ok", speculative=True)) as p:
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            chunked = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY)
+            )
+            s.sendall(raw_request() + chunked)
+            got = read_responses(s, 2)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            health = read_responses(s, 1)
+        assert [st for st, _ in got] == [200, 200] and health[0][0] == 200
+        assert json.loads(health[0][1])["status"] == "ok"
+
+
+def test_a_backend_error_is_given_back_and_relayed_once() -> None:
+    hits = []
+
+    async def spec(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/slots":
+            return web.json_response([{"id": 0, "speculative": True}])
+        if request.path == "/health":
+            return web.json_response({"status": "ok"})
+        hits.append(request.path)
+        return web.json_response(
+            {"error": {"message": "context too long", "code": 400}}, status=400
+        )
+
+    with proxy_over(spec) as p:
+        r = httpx.post(p.url + "/v1/completions", content=BODY)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "context too long"
+        assert metric(p, "fast_path_total") == {'{outcome="given_back"}': 1}
+        # counted once, by the path that answered
+        reqs = metric(p, "requests_total")
+        assert sum(reqs.values()) == 1 and next(iter(reqs)).endswith('status="400"}')
+    assert hits == ["/v1/completions", "/v1/completions"]  # the core's try, then aiohttp's
+
+
+def test_a_stream_is_relayed_as_its_events_arrive() -> None:
+    events = [b'data: {"choices":[{"index":0,"text":"%d"}]}\n\n' % i for i in range(5)]
+
+    async def spec(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path in ("/slots", "/health"):
+            body = [{"id": 0, "speculative": True}] if request.path == "/slots" else {}
+            return web.json_response(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in events:
+            await resp.write(ev)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    with proxy_over(spec) as p, httpx.Client() as c:
+        body = json.dumps({"prompt": "a", "stream": True}).encode()
+        for _ in range(3):  # kept alive across streams
+            r = c.post(p.url + "/v1/completions", content=body)
+            assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+            assert r.content == b"".join(events) + b"data: [DONE]\n\n"  # byte for byte
+        assert metric(p, "fast_path_total") == {'{outcome="served"}': 3}
