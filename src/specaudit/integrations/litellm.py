@@ -232,12 +232,24 @@ def check_chunk(chunk: Any, n: int) -> tuple[int, int]:
 
 
 def _loop_running() -> bool:
-    """Is an event loop running in this thread (then nothing here may block)?"""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return False
     return True
+
+
+# Set while a synchronous Router.completion / text_completion runs. LiteLLM runs those through
+# its async retry machinery on a private event loop of their own (`run_async_function`), so a
+# running loop alone does not say whether waiting is allowed: inside a sync call it is (the
+# caller waits anyway), on any other loop (the proxy's, an acompletion's) never.
+_SYNC_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "specaudit_sync_call", default=False
+)
+
+
+def _may_block() -> bool:
+    return _SYNC_CALL.get() or not _loop_running()
 
 
 def _model_id(deployment: dict[str, Any]) -> str | None:
@@ -414,12 +426,14 @@ class SpecauditRouting(CustomLogger):
         return [self._role(u) if u is not None else None for u in urls]
 
     def roles_now(self, deployments: list[dict[str, Any]]) -> list[Role | None]:
-        """`roles_of` for the synchronous paths: waits for a never-checked server's check
-        unless an event loop runs in this thread (then it counts as not checked yet)."""
+        """`roles_of` for the synchronous selection: waits for a never-checked server's check
+        inside a sync call or off any event loop; on an event loop (LiteLLM's legacy sync
+        selectors under ``acompletion``) it does not wait: the server counts as not checked
+        yet, so no logprobs request goes to it."""
         urls = [self._url(d) for d in deployments]
         new = [u for u in urls if u is not None and self._role(u).state == "unknown"]
         futs = self._schedule(new)
-        if not _loop_running():
+        if _may_block():
             self._wait(futs)
         return [self._role(u) if u is not None else None for u in urls]
 
@@ -544,9 +558,10 @@ class SpecauditRouting(CustomLogger):
         self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
         """The sync failure hook: LiteLLM runs it before its retry picks again (not threaded),
-        so a dead deployment is re-checked first. On an event loop (async calls) it does
-        nothing: the async failure hook above re-checks there without blocking."""
-        if _loop_running() or not isinstance(kwargs, Mapping):
+        so in a synchronous call a dead deployment is re-checked before the next attempt. In
+        an async call it does nothing: the async failure hook above re-checks there without
+        blocking the loop."""
+        if not _may_block() or not isinstance(kwargs, Mapping):
             return
         params = kwargs.get("litellm_params")
         base = params.get("api_base") if isinstance(params, Mapping) else None
@@ -618,8 +633,7 @@ def _close_all() -> None:
         h.close()
 
 
-# the text request of a running sync Router.text_completion, for its deployment selection
-# (LiteLLM passes that selection the messages it made of the prompt, not the request)
+# the request of a running sync Router.text_completion, for its deployment selection
 _SYNC_TEXT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "specaudit_sync_text", default=None
 )
@@ -669,25 +683,43 @@ def _install() -> None:
                 request_kwargs["_excluded_deployment_ids"] = before + excluded
         return select(self, model, messages, input, specific_deployment, request_kwargs)
 
+    def sync_call(router: Any, call: Any, request: dict[str, Any], text: bool) -> Any:
+        h = _active()
+        if h is None:
+            return call()
+        # a role not read yet (a Router built before the handler was registered, or its
+        # start-up check still running) is read first: this call waits anyway
+        h._wait(h.watch(getattr(router, "model_list", None) or []))
+        sync = _SYNC_CALL.set(True)
+        # LiteLLM hands the sync text selection the messages it made of the prompt, not the
+        # request: the selection reads the request from here
+        req = _SYNC_TEXT.set(request) if text else None
+        try:
+            response = call()
+        finally:
+            if req is not None:
+                _SYNC_TEXT.reset(req)
+            _SYNC_CALL.reset(sync)
+        h.check_result(request, response)
+        return response
+
     @functools.wraps(completion)
     def sync_completion(self: Any, model: str, messages: list, **kwargs: Any) -> Any:
-        response = completion(self, model, messages, **kwargs)
-        h = _active()
-        if h is not None:
-            h.check_result({**kwargs, "messages": messages}, response)
-        return response
+        return sync_call(
+            self,
+            lambda: completion(self, model, messages, **kwargs),
+            {**kwargs, "messages": messages},
+            text=False,
+        )
 
     @functools.wraps(text_completion)
     def sync_text_completion(self: Any, model: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _SYNC_TEXT.set({**kwargs, "prompt": prompt})
-        try:
-            response = text_completion(self, model, prompt, *args, **kwargs)
-        finally:
-            _SYNC_TEXT.reset(token)
-        h = _active()
-        if h is not None:
-            h.check_result({**kwargs, "prompt": prompt}, response)
-        return response
+        return sync_call(
+            self,
+            lambda: text_completion(self, model, prompt, *args, **kwargs),
+            {**kwargs, "prompt": prompt},
+            text=True,
+        )
 
     async def __anext__(self: Any) -> Any:
         return _check_streamed(self, await anext_(self))
