@@ -283,6 +283,7 @@ class SpecauditRouting(CustomLogger):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, concurrent.futures.Future[Role]] = {}
+        self._task: asyncio.Task[None] | None = None  # none any more (benchmarks/ cancels it)
         _install()
         _HANDLERS.add(self)
 
@@ -532,14 +533,13 @@ class SpecauditRouting(CustomLogger):
         return None
 
     def check_result(self, request: Mapping[str, Any], response: Any) -> None:
-        """The non-streamed check (async hook and sync calls alike): placeholders to None,
-        the count into ``_hidden_params`` and `stats`. A response is checked once."""
+        """The non-streamed check (the async hook and the sync calls; LiteLLM runs that hook
+        in async calls only, so no response meets both): placeholders to None, the count into
+        ``_hidden_params`` and `stats`."""
         n = requested(dict(request))
         if not n or not hasattr(response, "choices") or isinstance(response, _stream_type()):
             return
         hidden = _hidden(response)
-        if hidden is not None and hidden.get(HIDDEN_KEY) is not None:
-            return  # already checked (and nulled): counting it twice would lie
         tokens, ph = check_response(response, n)
         base = request.get("api_base") or (hidden.get("api_base") if hidden is not None else None)
         self._count({"api_base": base}, tokens, ph)
