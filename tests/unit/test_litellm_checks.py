@@ -220,6 +220,29 @@ def test_sync_selection_routes(registered: Callable[..., sa.SpecauditRouting]) -
     assert h.stats.role_checks == 0  # every decision above from the roles already known
 
 
+def test_async_call_under_a_legacy_strategy_routes(
+    registered: Callable[..., sa.SpecauditRouting],
+) -> None:
+    # 'usage-based-routing' (v1) has no async selector: LiteLLM's acompletion falls back to
+    # the sync selection, which never runs async_filter_deployments; the wrapper routes it
+    h = registered(check_interval=3600)
+    h.roles = _roles()
+    model_list = _router([PLAIN, SPEC]).model_list
+    r = Router(model_list=model_list, routing_strategy="usage-based-routing")
+
+    async def picks(**request: object) -> set[str]:
+        got = set()
+        for _ in range(30):
+            d = await r.async_get_available_deployment(
+                model="g", messages=MSG, request_kwargs=dict(request)
+            )
+            got.add(d["model_info"]["id"])
+        return got
+
+    assert asyncio.run(picks(**LOGPROBS)) == {PLAIN}
+    assert asyncio.run(picks()) == {SPEC}
+
+
 def _response(tops: list[int]) -> ModelResponse:
     content = [_entry(k) for k in tops]
     choice = Choices(message=Message(content="a"), logprobs=ChoiceLogprobs(content=content))
