@@ -6,27 +6,55 @@ Why a callback: people who serve many llama-server instances already run LiteLLM
 second router in front of it. LiteLLM loads callbacks from its own ``config.yaml``
 (``litellm_settings.callbacks``); this one
 
-- learns each deployment's role from ``/slots`` (`specaudit.speculation`, the one reader) on
-  first use and every `check_interval` seconds, and at once after a failed call;
-- narrows the deployments LiteLLM may pick (``async_filter_deployments``, run by the Router
-  before every attempt, retries included): a request that asks for logprobs goes only to a
+- reads each deployment's role from ``/slots`` (`specaudit.speculation`, the one reader) when
+  a ``Router`` is built, then every `check_interval` seconds, at once after a failed call, and
+  before first use for a deployment added later;
+- narrows the deployments LiteLLM may pick: a request that asks for logprobs goes only to a
   deployment seen up and not speculating; any other request prefers speculating ones;
 - when no such deployment is up: ``on_plain_down="error"`` raises a 503
   `ServiceUnavailableError` naming the reason, ``"annotate"`` lets any deployment serve it;
-- checks every logprobs response, non-streamed (``async_post_call_success_deployment_hook``)
-  and streamed (each chunk, as the caller receives it): a token without the candidates that
-  were asked for is a placeholder; its ``logprob`` becomes ``None``, a streamed token that came
-  without any entry gets one with ``logprob: None``, and the count goes into the response's
+- checks every logprobs response, non-streamed and streamed (each chunk, as the caller
+  receives it): a token without the candidates that were asked for is a placeholder; its
+  ``logprob`` becomes ``None``, a streamed token that came without any entry gets one with
+  ``logprob: None``, and the count goes into the response's
   ``_hidden_params["specaudit_placeholders"]``, the proxy's ``x-specaudit-placeholders``
   header and `SpecauditRouting.stats`.
 
-LiteLLM (1.100) has no per-chunk hook for SDK streams (its streaming deployment hook sees the
-last chunk only), so the stream check wraps ``CustomStreamWrapper.__anext__`` once, and acts
-only on streams whose request asked for logprobs while a `SpecauditRouting` is registered.
-Only the async paths route (``Router.acompletion``/``atext_completion`` and the proxy): the
-synchronous ``Router.completion`` does not run ``async_filter_deployments``. LiteLLM drops
-every logprob from streamed text completions (``/v1/completions`` with ``stream: true``), so
-those streams carry neither real values nor placeholders; they are routed, not checked.
+The same on the async paths (``Router.acompletion``/``atext_completion``, the proxy) and the
+synchronous ones (``Router.completion``/``text_completion``). LiteLLM 1.100.5's hooks:
+
+- routing: ``async_filter_deployments``, which the Router runs before every async attempt
+  (retries included). The sync selection (``Router.get_available_deployment``, which the
+  sync calls use, and async calls under a strategy without an async selector, e.g. the legacy
+  ``usage-based-routing``) runs no filter hook (its only hook, ``pre_call_check``, sees the
+  chosen deployment but not the request), so it is wrapped: before each attempt the wrapper
+  adds the ids of the deployments this request must not go to to LiteLLM's own exclusion list
+  (``_excluded_deployment_ids``, its weighted-failover mechanism), or raises the 503;
+- checks: ``async_post_call_success_deployment_hook`` (async calls only); the sync calls have
+  no post-call hook, so ``Router.completion``/``text_completion`` are wrapped; LiteLLM has no
+  per-chunk hook for SDK streams (its streaming deployment hook sees the last chunk only), so
+  ``CustomStreamWrapper.__anext__``/``__next__`` are wrapped, and act only on streams whose
+  request asked for logprobs while a `SpecauditRouting` is registered;
+- roles at start: LiteLLM has no start-up hook for callbacks (the proxy's worker start-up hooks
+  run before the config, and with it the Router, is loaded), so ``Router.__init__`` is
+  wrapped: once it returns (the SDK: in the constructor; the proxy: while it loads
+  ``config.yaml``, after the callbacks, before it serves), every deployment's ``/slots`` read
+  starts, in the background. A Router built before the handler was registered is read on
+  first use instead;
+- re-check after a failure: ``async_post_call_failure_deployment_hook`` (async) and
+  ``log_failure_event``, which LiteLLM runs, unthreaded, before its retry picks again (sync).
+
+Every ``/slots`` read of the start-up and periodic checks runs on the handler's checker: one
+daemon thread with its own event loop, never LiteLLM's (an async filter that needs a role not
+read yet awaits that read without blocking its loop; a synchronous call, which its caller
+waits for anyway, waits for it). The checker stops on `SpecauditRouting.close`, at
+interpreter exit, and by itself once the handler is no longer in ``litellm.callbacks``; the
+next need starts it again. Wrapping happens once, when the first handler is made, and every
+wrapper does nothing while no `SpecauditRouting` is in ``litellm.callbacks``.
+
+LiteLLM drops every logprob from streamed text completions (``/v1/completions`` with
+``stream: true``), so those streams carry neither real values nor placeholders; they are
+routed, not checked.
 """
 
 from __future__ import annotations
