@@ -290,7 +290,7 @@ def silent() -> Iterator[str]:
 def test_roles_read_at_start_and_periodically_off_the_loop(
     registered: Callable[..., sa.SpecauditRouting], silent: str
 ) -> None:
-    h = registered(check_interval=0.3, check_timeout=1.0)
+    h = registered(check_interval=0.3, check_timeout=3.0)
     closed = f"http://127.0.0.1:{free_port()}"
 
     async def build_on_a_loop() -> None:
@@ -298,10 +298,10 @@ def test_roles_read_at_start_and_periodically_off_the_loop(
         # that never answers must not hold it up
         t0 = time.monotonic()
         _router([closed, silent])
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 1.5  # the silent server's check takes 3 s
         t0 = time.monotonic()
         await asyncio.sleep(0.05)
-        assert time.monotonic() - t0 < 0.3
+        assert time.monotonic() - t0 < 1.0
         assert h.roles[silent].state == "unknown"  # its check still runs, elsewhere
         assert h.checking and threading.current_thread() is not h._thread
 
@@ -328,7 +328,7 @@ def test_roles_read_at_start_and_periodically_off_the_loop(
 def test_async_filter_waits_for_a_check_without_blocking_the_loop(
     registered: Callable[..., sa.SpecauditRouting], silent: str
 ) -> None:
-    h = registered(check_interval=3600, check_timeout=1.0)
+    h = registered(check_interval=3600, check_timeout=2.0)
     h.roles = {PLAIN: sa.Role(PLAIN, "up", False)}
     ticks: list[float] = []
 
@@ -347,8 +347,8 @@ def test_async_filter_waits_for_a_check_without_blocking_the_loop(
             t.cancel()
 
     assert asyncio.run(go()) == [_dep(PLAIN)]
-    assert h.roles[silent].state == "down"  # waited for: ~1 s
-    assert len(ticks) >= 10 and max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.5
+    assert h.roles[silent].state == "down"  # waited for: ~2 s
+    assert len(ticks) >= 10 and max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 1.0
 
 
 def test_sync_failure_hook_rechecks_before_the_retry(
