@@ -1,12 +1,18 @@
 """specaudit inside the `litellm` proxy process, configured in its own config.yaml
 (``litellm_settings.callbacks``), in front of real llama-servers: model group ``fx`` with two
-plain and two speculating fixture deployments (one plain killed mid-test), and ``fx-spec``
-with speculating ones only. `specaudit check --litellm-config` reads the same file."""
+plain and two speculating fixture deployments (one plain killed mid-test), ``fx-spec`` with
+speculating ones only, and ``fx-probe``, one deployment that records when its /slots is read
+and never gets a request: the proxy reads roles at start and every check_interval, not on first
+use. `specaudit check --litellm-config` reads the same file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,44 @@ def _stream(c: httpx.Client, model: str = "fx") -> tuple[list[dict[str, Any]], i
     return entries, tokens
 
 
+@contextlib.contextmanager
+def _probe(target: str) -> Iterator[tuple[str, list[float]]]:
+    """A deployment that forwards every GET to the llama-server `target` and records when its
+    /slots was read: (its URL, the read times)."""
+    hits: list[float] = []
+
+    class Forward(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.startswith("/slots"):
+                hits.append(time.monotonic())
+            r = httpx.get(target + self.path, timeout=10)
+            self.send_response(r.status_code)
+            self.send_header("content-type", r.headers.get("content-type", "application/json"))
+            self.send_header("content-length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", hits
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_litellm_proxy_process(
     server: Callable[..., Any],
     audit_ctx: audit.AuditContext,
@@ -68,15 +112,26 @@ def test_litellm_proxy_process(
     with (
         extra_server(audit_ctx, llama_bins, "fixture-plain", "litellm-proxy-plain-b") as pb,
         extra_server(audit_ctx, llama_bins, "fixture-spec", "litellm-proxy-spec-b") as sb,
+        _probe(plain_a) as (probe, reads),
     ):
         plain_b, spec_b = pb.url, sb.url
         plains, specs = {plain_a, plain_b}, {spec_a, spec_b}
         cfg = write_config(
             tmp_path / "config.yaml",
-            {"fx": [plain_a, plain_b, spec_a, spec_b], "fx-spec": [spec_a, spec_b]},
+            {
+                "fx": [plain_a, plain_b, spec_a, spec_b],
+                "fx-spec": [spec_a, spec_b],
+                "fx-probe": [probe],
+            },
         )
         env = {"SPECAUDIT_LITELLM_CHECK_INTERVAL": "1"}
         with litellm_proxy(cfg, env) as url, httpx.Client(base_url=url, timeout=60) as c:
+            # no request has reached the proxy, none ever goes to fx-probe: its /slots is read
+            # at start, then every second
+            _wait_for(lambda: len(reads) >= 1)
+            _wait_for(lambda: len(reads) >= 3)
+            gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
+            assert all(0.5 < g < 5 for g in gaps), gaps
             for _ in range(6):
                 r = c.post("/v1/chat/completions", json=_body())
                 assert r.status_code == 200, r.text
@@ -128,3 +183,7 @@ def test_litellm_proxy_process(
                 assert '"logprob"' not in text
             r = c.post("/v1/chat/completions", json=_body(logprobs=False, model="fx-spec"))
             assert r.status_code == 200 and _base(r) in specs
+    # the proxy stopped cleanly: no pending task left behind, no failed check in its log
+    log = cfg.with_suffix(".log").read_text(errors="replace")
+    assert "Task was destroyed but it is pending" not in log
+    assert "specaudit: role check failed" not in log
