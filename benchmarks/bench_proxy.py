@@ -463,7 +463,7 @@ def callback_cost(plain: str, spec: str, n: int = 2000) -> str:
         for _ in range(n):
             await h.async_post_call_success_deployment_hook(kw, resp, None)
         c2 = time.process_time()
-        h._task and h._task.cancel()
+        h.close()
         return (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6
 
     try:

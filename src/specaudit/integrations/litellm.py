@@ -311,7 +311,6 @@ class SpecauditRouting(CustomLogger):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, concurrent.futures.Future[Role]] = {}
-        self._task: asyncio.Task[None] | None = None  # none any more (benchmarks/ cancels it)
         _install()
         _HANDLERS.add(self)
 
