@@ -1,7 +1,7 @@
-"""Does uvloop lower `specaudit proxy`'s CPU per request? Two proxy processes (the stock
-asyncio loop, uvloop's policy) in front of the same fixture servers, alternating rounds, CPU
-read from /proc. uvloop comes with the litellm extra (LiteLLM's proxy depends on it);
-specaudit proxy itself does not use it.
+"""Does uvloop lower `specaudit proxy`'s CPU per request? Two proxy processes (``--loop
+asyncio`` and ``--loop uvloop``, the default when installed) in front of the same fixture
+servers, alternating rounds, CPU read from /proc. benchmarks/bench_proxy.py measures the same
+pair (its ``specaudit`` and ``sa/asyncio`` rows) next to a direct connection.
 
     .venv/bin/python benchmarks/bench_proxy_loop.py [--rounds 4]
 
@@ -54,10 +54,10 @@ async def load(url: str, stream: bool, n: int = N, conc: int = CONC) -> None:
 
 def start_proxy(plain: str, spec: str, uv: bool) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    policy = "import uvloop, asyncio; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy()); "
-    code = (policy if uv else "") + "from specaudit.cli import main; main()"
+    code = "from specaudit.cli import main; main()"
     argv = [sys.executable, "-c", code, "proxy", "--plain", plain, "--spec", spec]
     argv += ["--listen", f"127.0.0.1:{port}", "--log-level", "warning"]
+    argv += ["--loop", "uvloop" if uv else "asyncio"]
     p = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
@@ -74,7 +74,7 @@ def main() -> None:
     try:
         import uvloop  # noqa: F401
     except ImportError:
-        sys.exit("needs uvloop (the litellm extra installs it): ./run test --co -q")
+        sys.exit("needs uvloop (a dependency of specaudit on Linux and macOS)")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -292,3 +293,36 @@ def test_a_stream_is_relayed_as_its_events_arrive() -> None:
             assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
             assert r.content == b"".join(events) + b"data: [DONE]\n\n"  # byte for byte
         assert metric(p, "fast_path_total") == {'{outcome="served"}': 3}
+
+
+def test_a_slow_reader_of_a_big_answer_does_not_stall_the_pooled_connection() -> None:
+    """Writing a big JSON answer to a client that is not reading pauses nothing upstream:
+    the backend connection goes back to the pool readable, and the next request on it is
+    answered (it used to wait for the read timeout)."""
+    big = {"choices": [{"index": 0, "text": "x" * (8 << 20)}]}
+
+    async def spec(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path in ("/slots", "/health"):
+            body = [{"id": 0, "speculative": True}] if request.path == "/slots" else {}
+            return web.json_response(body)
+        data = await request.json()
+        return web.json_response(big if data["prompt"] == "big" else {"choices": []})
+
+    with (
+        fakes.serve(fakes.Fake("ok")) as plain,
+        fakes.serve(spec) as backend,
+        serve_in_thread(
+            ProxyConfig(plain.url, backend.url, port=0, check_interval=3600, read_timeout=3.0)
+        ) as p,
+    ):
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(raw_request(json.dumps({"prompt": "big"}).encode()))
+            time.sleep(1.0)  # not reading: the proxy's writes to this client back up
+            ((status, body),) = read_responses(s, 1)
+            assert status == 200 and len(body) > 8 << 20
+        t0 = time.monotonic()
+        r = httpx.post(p.url + "/v1/completions", content=BODY, timeout=20)
+        assert r.status_code == 200 and r.json() == {"choices": []}, r.text
+        assert time.monotonic() - t0 < 2.5  # not the 3 s read timeout's 504
+        assert metric(p, "fast_path_total") == {'{outcome="served"}': 2}

@@ -442,6 +442,7 @@ class Exchange:
                         ("X-Accel-Buffering", "no"),
                     ],
                     length=None,
+                    close=self.head.close,
                 )
             )
         elif head.length is not None and head.length > self.px.config.max_response_bytes:
@@ -492,6 +493,10 @@ class Exchange:
         self._finish("client-gone")
 
     def pause(self) -> None:
+        """The client reads slower than the backend streams: stop reading the backend (only
+        a stream's connection: a finished one may be going back to the pool)."""
+        if self.stream is None or self.finished:
+            return
         if self.up is not None and self.up.transport is not None and not self.up.lost:
             self.up.transport.pause_reading()
 
@@ -611,7 +616,7 @@ class Exchange:
         headers.append(("Content-Type", resp.content_type or "application/json"))
         self.sent = True
         o.status = 200
-        front.write(wire.response_head(200, headers, length=len(raw)) + raw)
+        front.write(wire.response_head(200, headers, length=len(raw), close=self.head.close) + raw)
         return False
 
 

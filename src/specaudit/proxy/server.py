@@ -651,6 +651,8 @@ class Proxy:
         return None
 
     def _pool_put(self, role: str, up: fast.Upstream) -> None:
+        if up.transport is not None:
+            up.transport.resume_reading()  # never pool a connection left paused
         up.idle_since = asyncio.get_running_loop().time()
         self._pools[role].append(up)
 
