@@ -214,8 +214,11 @@ def gemma_servers() -> Iterator[tuple[LlamaServer, LlamaServer]]:
 
 
 @contextmanager
-def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
-    """`specaudit proxy` as a separate process, as a user runs it."""
+def proxy_process(
+    plain: str, spec: str, extra: tuple[str, ...] = (), src: str | None = None
+) -> Iterator[tuple[str, int]]:
+    """`specaudit proxy` as a separate process, as a user runs it (`src`: another checkout's
+    ``src`` directory, imported first)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -232,7 +235,7 @@ def proxy_process(plain: str, spec: str, extra: tuple[str, ...] = ()) -> Iterato
         "warning",
         *extra,
     ]
-    yield from _serving(cmd, port)
+    yield from _serving(cmd, port, env={"PYTHONPATH": src} if src else None)
 
 
 @contextmanager
@@ -244,11 +247,17 @@ def relay_process(upstream: str) -> Iterator[tuple[str, int]]:
     yield from _serving([*cmd, str(port), "uvloop"], port)
 
 
-def _serving(cmd: list[str], port: int) -> Iterator[tuple[str, int]]:
+def _serving(
+    cmd: list[str], port: int, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, int]]:
     """Start `cmd` (listening on `port`), wait until /health answers through it, stop it after."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_pdeathsig
-    )  # dies with us
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_pdeathsig,  # dies with us
+        env={**os.environ, **env} if env else None,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -496,6 +505,12 @@ def main() -> None:
         "--no-floor", action="store_true", help="leave out the relay and sa/asyncio rows"
     )
     ap.add_argument(
+        "--baseline-src",
+        metavar="DIR",
+        help="also run the proxy of another checkout (its src/ directory) as `baseline`, "
+        "e.g. a git worktree of an older commit, to compare before/after in one run",
+    )
+    ap.add_argument(
         "--litellm-scale", type=float, default=0.1, help="LiteLLM's share of the request count"
     )
     args = ap.parse_args()
@@ -511,6 +526,9 @@ def main() -> None:
         plain, spec = stack.enter_context(fixture_servers(tmp, args.threads))
         px_url, px_pid = stack.enter_context(proxy_process(plain.url, spec.url))
         targets = [Target("specaudit", px_url, px_pid)]
+        if args.baseline_src:
+            old = proxy_process(plain.url, spec.url, src=args.baseline_src)
+            targets.append(Target("baseline", *stack.enter_context(old)))
         plain_targets = list(targets)
         if not args.no_floor:
             aio = stack.enter_context(proxy_process(plain.url, spec.url, ("--loop", "asyncio")))

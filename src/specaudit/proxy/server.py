@@ -1,4 +1,9 @@
-"""The proxy itself: an aiohttp server in front of two fixed llama-server backends.
+"""The proxy itself: two fixed llama-server backends behind one listener.
+
+Every connection starts on the forwarding core (`fast`), which serves the common request on
+raw asyncio protocols; whatever it does not take goes, bytes read so far included, to the
+aiohttp server here, which implements every rule below. Both share this object's state: the
+backends' roles, the counters, the access log and the graceful stop.
 
 Request path, in order:
 1. exact path match (`routing.ENDPOINTS`; anything else is a 404 from the proxy), method check,
