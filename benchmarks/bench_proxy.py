@@ -248,39 +248,47 @@ def relay_process(upstream: str) -> Iterator[tuple[str, int]]:
 
 
 def _serving(
-    cmd: list[str], port: int, env: dict[str, str] | None = None
+    cmd: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    health: str = "/health",
+    within: float = 60.0,
 ) -> Iterator[tuple[str, int]]:
-    """Start `cmd` (listening on `port`), wait until /health answers through it, stop it after."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        preexec_fn=_pdeathsig,  # dies with us
-        env={**os.environ, **env} if env else None,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"proxy exited: {err.strip()[-300:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:  # via the relay too
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy did not come up")
-            time.sleep(0.1)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
+    """Start `cmd` (listening on `port`), wait until `health` answers through it (the relay
+    passes it to its server), yield (url, pid), stop it after."""
+    # stderr to a file, not a pipe: a chatty process (LiteLLM) would block on a full pipe
+    with tempfile.TemporaryFile() as errlog:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=errlog,
+            preexec_fn=_pdeathsig,  # dies with us
+            env={**os.environ, **env} if env else None,
+        )
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            deadline = time.monotonic() + within
+            while proc.poll() is None:
+                try:
+                    if httpx.get(url + health, timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{cmd} did not come up in {within:g} s")
+                time.sleep(0.1)
+            else:
+                errlog.seek(0)
+                err = errlog.read().decode(errors="replace").strip()[-300:]
+                raise RuntimeError(f"{Path(cmd[0]).name} exited: {err}")
+            yield url, proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @dataclass(frozen=True)
@@ -314,35 +322,8 @@ def litellm_process(tmp: Path, name: str, groups: dict[str, list[str]], callback
     cfg.write_text("\n".join(lines) + "\n")
     port = free_port()
     exe = Path(sys.executable).with_name("litellm")
-    proc = subprocess.Popen(
-        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **LITELLM_ENV},
-        preexec_fn=_pdeathsig,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"litellm exited {proc.returncode}")
-            try:
-                if httpx.get(url + "/health/liveliness", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("litellm did not come up")
-            time.sleep(0.2)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    cmd = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
+    yield from _serving(cmd, port, LITELLM_ENV, health="/health/liveliness", within=120.0)
 
 
 @dataclass

@@ -70,7 +70,6 @@ class Front(asyncio.Protocol):
         self.buf = b""
         self.busy: Exchange | None = None  # the request being served
         self.gone = False
-        self.close_after = False
         self.deadline = 0.0
         self.got_bytes = False
         self._timer: asyncio.TimerHandle | None = None
@@ -164,7 +163,7 @@ class Front(asyncio.Protocol):
         t = self.transport
         if t is None or self.gone:
             return
-        if close or self.close_after or self.px._draining:
+        if close or self.px._draining:
             t.close()
             return
         if len(self.buf) <= wire.MAX_HEAD + self.px.config.max_body_bytes:

@@ -453,8 +453,9 @@ class _Outcome:
     placeholders: int | None = None
     note: str = ""
     shutdown: bool = False  # ended by the proxy stopping (`Proxy.stop`)
-    upstream: aiohttp.StreamReader | None = None  # a stream's upstream body, while relayed
-    stop_stream: Callable[[], None] | None = None  # how `stop` ends a fast-path request
+    # how `stop` ends the request after the grace period (a stream relayed by aiohttp's path,
+    # any fast-path request); None: its task is cancelled and answers 503
+    stop_stream: Callable[[], None] | None = None
     counted: bool = True  # False: given back by the fast path, counted by aiohttp's
 
 
@@ -754,10 +755,9 @@ class Proxy:
             return
         o.shutdown = True
         if o.stop_stream is not None:
-            o.stop_stream()  # a fast-path request: its stream's error event, or a 503
-        elif o.upstream is not None:
-            # a stream being relayed: its loop ends with an error event (`_relay_stream`)
-            o.upstream.set_exception(_ShuttingDown())
+            # a stream being relayed ends with an error event (`_relay_stream`); a fast-path
+            # request ends itself (`fast.Exchange.shut_down`: the error event, or a 503)
+            o.stop_stream()
         else:
             # nothing sent yet: the handler answers 503 (`_handle`)
             task.cancel()
@@ -1381,7 +1381,8 @@ class Proxy:
                 "X-Accel-Buffering": "no",
             },
         )
-        o.upstream = resp.content  # `stop` ends the relay through it (`_ShuttingDown`)
+        # `stop` ends the relay through its upstream body (`_ShuttingDown`)
+        o.stop_stream = lambda: resp.content.set_exception(_ShuttingDown())
         if o.shutdown:
             resp.content.set_exception(_ShuttingDown())
         await out.prepare(request)
