@@ -122,7 +122,7 @@ def command(
     """
     from specaudit import check
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         top_k=top_k,
         tokens=tokens,
         endpoint=endpoint,
@@ -137,19 +137,7 @@ def command(
         raise click.UsageError("Missing argument 'URL' (one or more, or --litellm-config FILE).")
     if litellm_config is not None or len(urls) > 1:
         _fleet(urls, litellm_config, concurrency, api_key, kwargs, as_json)
-    result = check.run(
-        urls[0],
-        top_k=top_k,
-        tokens=tokens,
-        endpoint=endpoint,
-        prompt=prompt,
-        seed=seed,
-        temperature=temperature,
-        stream=stream,
-        model=model,
-        timeout=timeout,
-        api_key=api_key,
-    )
+    result = check.run(urls[0], api_key=api_key, **kwargs)
     if as_json:
         emit_json(to_json(result))
     else:
