@@ -28,20 +28,27 @@ HEAD = (
 # request heads -----------------------------------------------------------------------------
 
 
-def parse(head: bytes) -> wire.RequestHead | None:
-    """As `fast.Front` calls it: the head without its blank line's CRLF pair."""
-    return wire.parse_request_head(head.removesuffix(b"\r\n"), PATHS)
+def parse(head: bytes) -> fast.RequestHead | None:
+    """As `fast.Front` reads a request: its head lines, then the blank line. None: the core
+    hands it to aiohttp."""
+    try:
+        h = fast.RequestReader().feed(head + b"\r\n", PATHS)
+    except fast.NotPlain:
+        return None
+    assert h is not None, "a complete head was read as incomplete"
+    return h
 
 
 def test_a_plain_post_is_taken() -> None:
     assert parse(HEAD) is not None
     h = parse(HEAD + b"Authorization: Bearer k\r\n")
     assert h is not None
-    assert (h.path, h.length, h.close, h.authorization) == (
+    assert (h.path, h.length, h.close, h.authorization, h.end) == (
         "/v1/completions",
         12,
         False,
         b"Bearer k",
+        len(HEAD) + len(b"Authorization: Bearer k\r\n") + 2,
     )
     closing = parse(HEAD + b"Connection: keep-alive, Close\r\n")
     assert closing is not None and closing.close
@@ -67,17 +74,71 @@ def test_a_plain_post_is_taken() -> None:
         HEAD + b"Bad Name: x\r\n",
         HEAD + b"Authorization: a\r\nAuthorization: b\r\n",
         HEAD.replace(b"\r\n", b"\n"),  # bare LF
+        HEAD.replace(b"Host: 127.0.0.1:8081\r\n", b"Host: x\n"),  # one bare LF
+        HEAD + b"X-A: a\rb\r\n",  # bare CR
+        HEAD + b"X-A: a\x00b\r\n",
+        b"\r\n" + HEAD,  # a blank line first: aiohttp skips it
+        HEAD + b"X-Long: " + b"a" * wire.MAX_HEAD + b"\r\n",  # over the head limit
     ],
 )
 def test_anything_else_goes_to_aiohttp(head: bytes) -> None:
     assert parse(head) is None
 
 
+def test_the_head_limit_holds_however_the_bytes_arrive() -> None:
+    """A head over `wire.MAX_HEAD` is handed over whether it comes in one write or many
+    (it used to be served when its blank line came in the same write)."""
+    head = HEAD + b"X-Long: " + b"a" * 100_000 + b"\r\n\r\n"
+    for step in (len(head), 2048, 1):
+        r = fast.RequestReader()
+        got: object = None
+        for i in range(step, len(head) + step, step):
+            try:
+                got = r.feed(head[:i], PATHS)
+            except fast.NotPlain:
+                got = "hand over"
+                break
+            assert got is None
+        assert got == "hand over", step
+    # just under the limit, in any split: taken
+    fill = wire.MAX_HEAD - len(HEAD) - len(b"X-Long: \r\n\r\n")
+    head = HEAD + b"X-Long: " + b"a" * fill + b"\r\n\r\n"
+    assert len(head) == wire.MAX_HEAD
+    for step in (len(head), 1000, 7):
+        r = fast.RequestReader()
+        for i in range(step, len(head) + step, step):
+            got = r.feed(head[:i], PATHS)
+        assert isinstance(got, fast.RequestHead) and got.end == len(head)
+
+
+def test_a_complete_bare_lf_request_is_handed_over_at_once() -> None:
+    """llhttp (and so aiohttp) refuses bare LF line ends; the core hands such a request over
+    as soon as its first bare LF arrives instead of waiting for a CRLF CRLF."""
+    r = fast.RequestReader()
+    with pytest.raises(fast.NotPlain):
+        r.feed(b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 2\n\nab", PATHS)
+
+
 # response heads and chunked bodies ----------------------------------------------------------
 
 
+def read(raw: bytes) -> fast.ResponseReader:
+    r = fast.ResponseReader()
+    r.feed(raw)
+    return r
+
+
+def response_head(raw: bytes) -> fast.ResponseHead:
+    """The head of a response (without its blank line), or ValueError as the core sees it."""
+    r = read(raw + b"\r\n\r\n")
+    if r.error is not None:
+        raise ValueError(r.error)
+    assert r.head is not None
+    return r.head
+
+
 def test_response_heads() -> None:
-    h = wire.parse_response_head(
+    h = response_head(
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n"
         b"Content-Length: 40\r\nKeep-Alive: timeout=5, max=100"
     )
@@ -88,15 +149,13 @@ def test_response_heads() -> None:
         False,
         False,
     )
-    s = wire.parse_response_head(
+    s = response_head(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
     )
     assert s.chunked and s.length is None and not s.close
-    assert wire.parse_response_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1").close
-    assert wire.parse_response_head(b"HTTP/1.1 200 OK").close  # body until close
-    assert wire.parse_response_head(
-        b"HTTP/1.1 503 x\r\nConnection: close\r\nContent-Length: 0"
-    ).close
+    assert response_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1").close
+    assert response_head(b"HTTP/1.1 200 OK").close  # body until close
+    assert response_head(b"HTTP/1.1 503 x\r\nConnection: close\r\nContent-Length: 0").close
     for bad in (
         b"\x00\x01SSH-2.0-nope",
         b"HTTP/1.1 20 OK",
@@ -104,9 +163,40 @@ def test_response_heads() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked",
         b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2",
         b"HTTP/1.1 200 OK\r\nno colon here",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked",
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x",
     ):
         with pytest.raises(ValueError):
-            wire.parse_response_head(bad)
+            response_head(bad)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"application/json\nSet-Cookie: injected=1\nX-Specaudit-Placeholders: 0",
+        b"application/json\rSet-Cookie: injected=1\rX-Specaudit-Placeholders: 0",
+        b"application/json\x00",
+        b"application/json\x0b",
+    ],
+)
+def test_a_header_value_with_a_control_character_is_a_bad_answer(value: bytes) -> None:
+    r = read(b"HTTP/1.1 200 OK\r\nContent-Type: " + value + b"\r\nContent-Length: 2\r\n\r\n{}")
+    assert r.error is not None and r.head is None and not r.complete
+
+
+def test_1xx_responses_before_the_answer_are_skipped() -> None:
+    raw = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n"
+        b"\r\nHTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    for step in (len(raw), 5, 1):
+        r = fast.ResponseReader()
+        body = b""
+        for i in range(0, len(raw), step):
+            r.feed(raw[i : i + step])
+            body += r.take()
+            assert r.error is None
+        assert r.head is not None and r.head.status == 200 and r.complete and body == b"{}"
 
 
 def _chunked(pieces: list[bytes], ext: bool, trailers: bool) -> bytes:
@@ -120,24 +210,34 @@ def _chunked(pieces: list[bytes], ext: bool, trailers: bool) -> bytes:
 def test_dechunking_survives_any_split(seed: int) -> None:
     rng = random.Random(seed)
     pieces = [rng.randbytes(rng.randint(1, 300)) for _ in range(rng.randint(1, 12))]
-    raw = _chunked(pieces, ext=seed % 3 == 0, trailers=seed % 2 == 0) + b"EXTRA" * (seed % 4 == 1)
-    d = wire.Dechunker()
+    raw = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + _chunked(pieces, ext=seed % 3 == 0, trailers=seed % 2 == 0)
+        + b"EXTRA" * (seed % 4 == 1)
+    )
+    r = fast.ResponseReader()
     got = b""
     i = 0
-    while i < len(raw) and not d.done:
+    while i < len(raw):
         k = rng.randint(1, 40)
-        got += b"".join(d.feed(raw[i : i + k]))
+        r.feed(raw[i : i + k])
+        got += r.take()
         i += k
-    assert d.done and got == b"".join(pieces)
-    assert (d.extra + raw[i:]).startswith(b"EXTRA") == (seed % 4 == 1)
+    assert r.complete and r.error is None and got == b"".join(pieces)
+    assert r.extra == (seed % 4 == 1)
 
 
 @pytest.mark.parametrize(
     "raw", [b"zz\r\nab\r\n", b"2\r\nabX\r\n", b"2" * 5000, b"-1\r\n", b"10000000000000000\r\n"]
 )
 def test_broken_chunking_is_an_error(raw: bytes) -> None:
-    with pytest.raises(ValueError):
-        wire.Dechunker().feed(raw)
+    r = read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + raw)
+    assert r.error is not None and not r.complete
+
+
+def test_body_bytes_before_broken_framing_are_kept() -> None:
+    r = read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
+    assert r.error is not None and r.take() == b"abc"
 
 
 def test_response_head_for_the_client() -> None:
@@ -147,6 +247,11 @@ def test_response_head_for_the_client() -> None:
     c = wire.response_head(503, [], length=None, close=True)
     assert b"Transfer-Encoding: chunked\r\nConnection: close\r\n" in c
     assert wire.chunk(b"abc") == b"3\r\nabc\r\n" and wire.LAST_CHUNK == b"0\r\n\r\n"
+    for bad in ("a\nSet-Cookie: x=1", "a\rSet-Cookie: x=1", "a\r\nSet-Cookie: x=1", "a\0"):
+        with pytest.raises(ValueError):
+            wire.response_head(200, [("Content-Type", bad)], length=0)
+        with pytest.raises(ValueError):
+            wire.response_head(200, [(bad, "b")], length=0)
 
 
 def test_https_backends_are_left_to_aiohttp() -> None:

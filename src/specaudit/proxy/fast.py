@@ -20,6 +20,13 @@ re-encoding of unchanged bytes:
 
 Responses to logprobs requests are checked here with the same functions (`Proxy._events`,
 `Proxy._checked_body`); the counters, access log and graceful stop are shared.
+
+HTTP/1.1 is parsed by llhttp (`httptools`), the parser aiohttp's own C extension is built on,
+never by hand: `RequestReader` reads a request's head (its body is the ``Content-Length``
+bytes after it), `ResponseReader` a backend's responses, chunked framing included. Memory per
+client connection is bounded: while a request is answered at most `PIPELINE_BUFFER` bytes of
+pipelined requests are read ahead, and while the client does not read its answers (its
+transport paused) no next request is started.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
+
+import httptools
 
 from specaudit.proxy import routing, server, sse, wire
 from specaudit.proxy.routing import Plan, RequestError, Route
@@ -41,8 +52,266 @@ log = logging.getLogger("specaudit.proxy")
 
 IDLE_KEEPALIVE = 75.0  # seconds an idle client connection stays open (aiohttp's default too)
 POOL_IDLE = 4.0  # seconds a pooled backend connection may idle (llama-server drops it at 5)
+PIPELINE_BUFFER = 65536  # bytes of pipelined requests read ahead while one is answered
 PATHS = frozenset(p.encode() for p, (m, _) in routing.ENDPOINTS.items() if m == "POST")
 _KINDS = {p: k for p, (_, k) in routing.ENDPOINTS.items()}
+_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # visible ASCII and tab: anything else, aiohttp decides
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # no control character but tab in a value
+
+
+# reading HTTP/1.1 with llhttp ------------------------------------------------------------------
+
+
+class NotPlain(Exception):
+    """A request the core does not take (`RequestReader.feed`): aiohttp's path decides."""
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """A ``POST`` the core may serve: its path, body length, where the body starts and what
+    it asks of the connection."""
+
+    path: str
+    path_b: bytes
+    length: int
+    end: int  # bytes of the head, blank line included: the body starts here
+    close: bool  # the client sent ``Connection: close``
+    authorization: bytes | None
+
+
+class RequestReader:
+    """The head of one request, fed the connection's bytes from the request's first one.
+
+    llhttp decides whether the bytes are HTTP/1.1 and where each header is (strict: CRLF line
+    ends, no obs-fold, no CL with TE, no duplicate CL, token names, no CTL in values). The
+    core then takes only the plain case: ``POST <one of paths> HTTP/1.1`` with one
+    ``Content-Length``, visible-ASCII values and no ``Transfer-Encoding``, ``Expect`` or
+    upgrade, its head (blank line included) at most `wire.MAX_HEAD` bytes however the bytes
+    arrive. Anything else raises `NotPlain` as soon as it shows, and the connection goes to
+    aiohttp's path, whose parser is llhttp too.
+
+    The parser is fed no further than the head's blank line (the first CRLF CRLF: with CRLF
+    line ends required and CR refused inside a line, nothing earlier can be one), so it never
+    reads a body or the next pipelined request; the body is the ``Content-Length`` bytes after
+    the head.
+    """
+
+    __slots__ = ("_p", "_fed", "_url", "_headers", "_done", "_head")
+
+    def __init__(self) -> None:
+        self._p = httptools.HttpRequestParser(self)
+        self._fed = 0
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._done = False
+        self._head: RequestHead | None = None
+
+    # llhttp's callbacks
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._done = True
+
+    def feed(self, buf: bytes, paths: frozenset[bytes]) -> RequestHead | None:
+        """`buf`: the bytes from the request's first one (growing between calls). The head
+        once it is complete and plain; None while it is incomplete; `NotPlain` otherwise."""
+        if self._head is not None:
+            return self._head
+        fed = self._fed
+        if not fed and not b"POST ".startswith(buf[:5]):
+            raise NotPlain("not a POST")  # /health, /v1/models, 404s: no need to parse
+        end = buf.find(b"\r\n\r\n", max(fed - 3, 0), wire.MAX_HEAD)
+        stop = wire.MAX_HEAD if end < 0 else end + 4
+        if stop > fed:
+            try:
+                self._p.feed_data(buf[fed:stop])
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+                raise NotPlain(f"llhttp: {e!r}") from None
+            self._fed = min(stop, len(buf))
+        if not self._done:
+            if end >= 0 or len(buf) >= wire.MAX_HEAD:
+                raise NotPlain("the head is longer than the core reads")
+            return None
+        if end < 0:
+            raise NotPlain("the head does not end in CRLF CRLF")
+        self._head = self._plain(end + 4, paths)
+        return self._head
+
+    def _plain(self, end: int, paths: frozenset[bytes]) -> RequestHead:
+        p = self._p
+        url = self._url
+        if p.get_method() != b"POST" or p.get_http_version() != "1.1" or url not in paths:
+            raise NotPlain("not POST <endpoint> HTTP/1.1")
+        length: int | None = None
+        close = False
+        auth: bytes | None = None
+        for name, value in self._headers:
+            if not _VALUE.fullmatch(value):
+                raise NotPlain("a header value that is not visible ASCII")
+            n = name.lower()
+            if n == b"content-length":
+                value = value.strip(b" \t")
+                if length is not None or not value.isdigit() or len(value) > 15:
+                    raise NotPlain("Content-Length")
+                length = int(value)
+            elif n in (b"transfer-encoding", b"expect", b"upgrade"):
+                raise NotPlain(n.decode())
+            elif n == b"connection":
+                tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
+                if b"upgrade" in tokens:
+                    raise NotPlain("Connection: upgrade")
+                close = close or b"close" in tokens
+            elif n == b"authorization":
+                if auth is not None:
+                    raise NotPlain("two Authorization headers")
+                auth = value.strip(b" \t")
+        if length is None:
+            raise NotPlain("no Content-Length")
+        return RequestHead(url.decode("ascii"), url, length, end, close, auth)
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    """What the core needs of a backend's response head."""
+
+    status: int
+    content_type: str  # the whole header value; "" when absent
+    length: int | None  # Content-Length; None: chunked or until close
+    chunked: bool
+    close: bool  # the connection cannot carry another request
+
+    @property
+    def mime(self) -> str:
+        return self.content_type.split(";", 1)[0].strip().lower()
+
+
+class BadResponse(Exception):
+    """A backend's answer the core does not vouch for (why, in its message)."""
+
+
+class _Extra(Exception):
+    """Bytes after a complete response: the connection is not reused."""
+
+
+class ResponseReader:
+    """A backend connection's responses as llhttp reads them: the head of the current one
+    (a 1xx before it is skipped, as aiohttp's client skips it), its body decoded from its
+    framing (``Content-Length``, chunked, or until the connection closes) and whether it is
+    complete.
+
+    `feed` sets `head`, adds the body's bytes to `pieces`, sets `complete`, and sets `error`
+    when the bytes are not a valid response; body bytes that arrived before the error in the
+    same read are in `pieces` all the same. A header value with a control character (CR, LF,
+    NUL, ...) is an error (llhttp refuses most; this refuses them all), so no value the core
+    forwards can add a header of the backend's choosing.
+    """
+
+    __slots__ = ("_p", "_headers", "_info", "_seen", "head", "pieces", "complete", "extra", "error")
+
+    def __init__(self) -> None:
+        self._p = httptools.HttpResponseParser(self)
+        self.extra = False  # bytes came after a complete response
+        self.error: str | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next response on the same connection."""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._info = False  # in a 1xx
+        self._seen = 0  # bytes fed before the head was complete
+        self.head: ResponseHead | None = None
+        self.pieces: list[bytes] = []
+        self.complete = False
+
+    # llhttp's callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Extra
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        p = self._p
+        status = p.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._headers = []  # 100 Continue, 103 Early Hints: the response follows
+            self._info = True
+            return
+        self.head = _response_head(status, p.get_http_version(), self._headers, p)
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._info:
+            self._info = False
+        else:
+            self.complete = True
+
+    def feed(self, data: bytes) -> None:
+        if self.error is not None or self.extra:
+            return  # the parser stopped; so does this connection
+        if self.head is None:
+            self._seen += len(data)
+        try:
+            self._p.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            why = e.__context__
+            if isinstance(why, _Extra):
+                self.extra = True
+            elif isinstance(why, BadResponse):
+                self.error = str(why)
+            else:
+                raise
+        except httptools.HttpParserUpgrade:
+            self.error = "it switched protocols unasked"
+        except httptools.HttpParserError as e:
+            if self.complete:
+                self.extra = True
+            else:
+                self.error = f"its answer is not valid HTTP ({e})"
+        if self.head is None and self.error is None and self._seen > wire.MAX_RESPONSE_HEAD:
+            self.error = "its response head is too long"
+
+    def take(self) -> bytes:
+        """The body's bytes fed since the last call, in one piece."""
+        pieces = self.pieces
+        self.pieces = []
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _response_head(
+    status: int, version: str, headers: list[tuple[bytes, bytes]], p: Any
+) -> ResponseHead:
+    if version not in ("1.1", "1.0"):
+        raise BadResponse(f"HTTP/{version}")
+    if not 200 <= status <= 599:
+        raise BadResponse(f"status {status}")
+    ctype = ""
+    length: int | None = None
+    chunked = False
+    for name, value in headers:
+        if _CTL.search(value):
+            raise BadResponse("a header value holds a control character")
+        n = name.lower()
+        if n == b"content-length":
+            length = int(value.strip(b" \t"))  # llhttp checked it: digits, only one
+        elif n == b"transfer-encoding":
+            if [c.strip(b" \t").lower() for c in value.split(b",")] != [b"chunked"]:
+                raise BadResponse("unsupported Transfer-Encoding")
+            chunked = True
+        elif n == b"content-type":
+            ctype = value.strip(b" \t").decode("latin-1")
+    # llhttp knows: HTTP/1.0 without keep-alive, Connection: close, a body until close
+    close = not p.should_keep_alive()
+    if not chunked and length is None:
+        close = True
+    return ResponseHead(status, ctype, length, chunked, close)
 
 
 class Target:
@@ -68,13 +337,15 @@ class Front(asyncio.Protocol):
         self.px = proxy
         self.transport: asyncio.Transport | None = None
         self.buf = b""
+        self.reader: RequestReader | None = None  # the head of the request in `buf`
         self.busy: Exchange | None = None  # the request being served
         self.gone = False
         self.deadline = 0.0
         self.got_bytes = False
         self._timer: asyncio.TimerHandle | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self._paused = False
+        self._paused = False  # the client's transport is above its high-water mark
+        self._held = False  # an answer is out, the next request waits for the client to read
 
     # connection ---------------------------------------------------------------------------
 
@@ -100,11 +371,16 @@ class Front(asyncio.Protocol):
         self._paused = False
         if self.busy is not None:
             self.busy.resume()
+        elif self._held:
+            self._held = False
+            self._next()
 
     def data_received(self, data: bytes) -> None:
-        if self.busy is not None:  # pipelined behind the request being served
+        if self.busy is not None or self._held:
+            # pipelined behind a request being answered, or behind answers the client has not
+            # read: kept, not started; past PIPELINE_BUFFER, reading stops until then
             self.buf += data
-            if len(self.buf) > wire.MAX_HEAD + self.px.config.max_body_bytes:
+            if len(self.buf) > PIPELINE_BUFFER:
                 assert self.transport is not None
                 self.transport.pause_reading()
             return
@@ -129,21 +405,24 @@ class Front(asyncio.Protocol):
 
     def _process(self) -> None:
         buf = self.buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > wire.MAX_HEAD:
-                self.hand_over()
-            return
-        head = wire.parse_request_head(buf[:end], PATHS)
-        px = self.px
-        if head is None or head.length > px.config.max_body_bytes or px._draining:
+        if self.reader is None:
+            self.reader = RequestReader()
+        try:
+            head = self.reader.feed(buf, PATHS)
+        except NotPlain:
             self.hand_over()
             return
-        total = end + 4 + head.length
+        if head is None:
+            return  # the head is still coming
+        px = self.px
+        if head.length > px.config.max_body_bytes or px._draining:
+            self.hand_over()
+            return
+        total = head.end + head.length
         if len(buf) < total:
             return  # the body is still coming, within the same deadline
         try:
-            p = routing.plan(_KINDS[head.path], buf[end + 4 : total])
+            p = routing.plan(_KINDS[head.path], buf[head.end : total])
         except RequestError:
             self.hand_over()  # aiohttp's path gives the 4xx and its message
             return
@@ -153,12 +432,13 @@ class Front(asyncio.Protocol):
             return
         self._stop_timers()
         px._guard.end(self)
+        self.reader = None
         self.busy = ex = Exchange(self, head, p, role, buf[:total])
         self.buf = buf[total:]
         ex.start()
 
     def done(self, close: bool) -> None:
-        """The response is out: next request, or close."""
+        """The response is out: next request (once the client reads its answers), or close."""
         self.busy = None
         t = self.transport
         if t is None or self.gone:
@@ -166,8 +446,16 @@ class Front(asyncio.Protocol):
         if close or self.px._draining:
             t.close()
             return
-        if len(self.buf) <= wire.MAX_HEAD + self.px.config.max_body_bytes:
-            t.resume_reading()
+        if self._paused:
+            self._held = True  # `resume_writing` goes on
+            return
+        self._next()
+
+    def _next(self) -> None:
+        t = self.transport
+        if t is None or self.gone:
+            return
+        t.resume_reading()
         if self.buf:
             self._begin(got_bytes=True)
             self._process()
@@ -193,6 +481,7 @@ class Front(asyncio.Protocol):
     def hand_over(self, expired: bool = False, evicted: bool = False) -> None:
         """Give this connection to aiohttp for good, with the bytes read so far."""
         self._stop_timers()
+        self.reader = None
         self.px._fronts.discard(self)
         t, self.transport = self.transport, None
         if t is None or t.is_closing():
@@ -226,10 +515,8 @@ class Upstream(asyncio.Protocol):
         self.lost = False
         self.idle_since = 0.0
         self.sink: Exchange | None = None
-        self._head: wire.ResponseHead | None = None
-        self._buf = b""
-        self._left = 0
-        self._dechunk: wire.Dechunker | None = None
+        self.reader = ResponseReader()
+        self._told = False  # the sink has the current response's head
         self.reusable = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -239,13 +526,16 @@ class Upstream(asyncio.Protocol):
         self.lost = True
         sink, self.sink = self.sink, None
         if sink is not None:
-            if self._head is not None and self._head.length is None and not self._head.chunked:
+            head = self.reader.head if self._told else None
+            if head is not None and head.length is None and not head.chunked:
                 sink.on_end()  # a body delimited by the connection's close
             else:
                 sink.on_lost(exc)
 
     def send(self, data: bytes, sink: Exchange) -> None:
-        self.sink, self._head, self._buf, self._dechunk = sink, None, b"", None
+        self.sink = sink
+        self.reader.reset()
+        self._told = False
         self.reusable = False
         assert self.transport is not None
         self.transport.write(data)
@@ -261,64 +551,24 @@ class Upstream(asyncio.Protocol):
             self.close()
             return
         sink.last = sink.loop.time()
-        if self._head is None:
-            buf = self._buf + data if self._buf else data
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self._buf = buf
-                if len(buf) > wire.MAX_RESPONSE_HEAD:
-                    sink.on_garbage("its response head is too long")
+        r = self.reader
+        r.feed(data)
+        if r.head is not None and not self._told:
+            self._told = True
+            if not sink.on_head(r.head):
                 return
-            try:
-                self._head = head = wire.parse_response_head(buf[:end])
-            except ValueError as e:
-                sink.on_garbage(str(e))
+        if r.pieces:
+            # what arrived together goes on together: one pass, one write to the client
+            sink.on_data(r.take())
+            if self.sink is not sink:
                 return
-            self._buf = b""
-            if head.chunked:
-                self._dechunk = wire.Dechunker()
-            else:
-                self._left = head.length if head.length is not None else -1
-            if not sink.on_head(head):
-                return
-            data = buf[end + 4 :]
-            if not data and self._left != 0:
-                return
-        self._body(data, sink)
-
-    def _body(self, data: bytes, sink: Exchange) -> None:
-        head = self._head
-        assert head is not None
-        if self._dechunk is not None:
-            try:
-                pieces = self._dechunk.feed(data)
-            except ValueError as e:
-                sink.on_garbage(f"bad chunked encoding: {e}")
-                return
-            if pieces:
-                # what arrived together goes on together: one pass, one write to the client
-                sink.on_data(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-                if self.sink is not sink:
-                    return
-            if self._dechunk.done:
-                self._finish(sink, extra=bool(self._dechunk.extra))
-            return
-        if self._left < 0:  # until close
-            if data:
-                sink.on_data(data)
-            return
-        if len(data) > self._left:
-            data, extra = data[: self._left], True
-        else:
-            extra = False
-        self._left -= len(data)
-        if data:
-            sink.on_data(data)
-        if self._left == 0 and self.sink is sink:
-            self._finish(sink, extra)
+        if r.complete:
+            self._finish(sink, extra=r.extra or r.error is not None)
+        elif r.error is not None:
+            sink.on_garbage(r.error)
 
     def _finish(self, sink: Exchange, extra: bool) -> None:
-        head = self._head
+        head = self.reader.head
         assert head is not None
         self.sink = None
         self.reusable = not (extra or head.close or self.lost)
@@ -330,7 +580,7 @@ class Exchange:
     byte. Driven by callbacks (a task only to open a connection); `Proxy.stop` waits for its
     future and ends it through ``outcome.stop_stream``."""
 
-    def __init__(self, front: Front, head: wire.RequestHead, p: Plan, role: str, raw: bytes):
+    def __init__(self, front: Front, head: RequestHead, p: Plan, role: str, raw: bytes):
         self.front, self.head, self.p, self.role, self.raw = front, head, p, role, raw
         self.px = px = front.px
         self.loop = loop = asyncio.get_running_loop()
@@ -340,7 +590,7 @@ class Exchange:
         self.up: Upstream | None = None
         self.pooled = False
         self.attempt = 0
-        self.resp: wire.ResponseHead | None = None
+        self.resp: ResponseHead | None = None
         self.body: list[bytes] = []
         self.size = 0
         self.sent = False  # bytes of an answer have gone to the client
@@ -423,7 +673,7 @@ class Exchange:
 
     # the backend's side (called by `Upstream`) --------------------------------------------
 
-    def on_head(self, head: wire.ResponseHead) -> bool:
+    def on_head(self, head: ResponseHead) -> bool:
         self.resp = head
         if head.status != 200:
             self._finish("give-back")  # aiohttp's path relays errors (503: marked down, fallback)
@@ -654,6 +904,10 @@ class _Relay:
                 self.end(bad)
                 ex._finish("end")
                 return
+            if self.st.finished:  # the last event: end the stream now, whatever follows
+                self.end(None)
+                ex._finish("end")
+                return
         limit = px.config.max_response_bytes
         if self.splitter.pending > limit:
             self.end(
@@ -688,7 +942,9 @@ class _Relay:
         self.ended = True
         ex = self.ex
         px = ex.px
-        if error is None:
+        if self.st.finished:
+            error = None  # nothing after the last event, not even an error
+        elif error is None:
             error = px._unfinished(self.splitter, self.st, ex.role)
         if ex.check:
             px._count(ex.role, self.st.tally, self.o)
