@@ -28,16 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 
 from specaudit import __version__
@@ -778,6 +780,9 @@ class Proxy:
             force_close=force_close,
             use_dns_cache=True,
         )
+        if hasattr(connector, "_factory"):  # aiohttp's protocol factory (private): see _BodyFailing
+            loop = asyncio.get_running_loop()
+            cast(Any, connector)._factory = functools.partial(_BodyFailing, loop=loop)
         return aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # bytes pass through as the backend sent them
@@ -1283,6 +1288,10 @@ class Proxy:
                 "upstream_timeout",
                 f"the {role} backend went silent for {self.config.read_timeout:g}s mid-response",
             ) from None
+        except BrokenFraming as e:
+            raise UpstreamFailed(
+                502, "upstream_garbage", f"the {role} backend's answer is not valid HTTP ({e})"
+            ) from None
         except (
             aiohttp.ClientPayloadError,
             aiohttp.ServerDisconnectedError,
@@ -1392,26 +1401,49 @@ class Proxy:
         splitter = sse.EventSplitter()
         limit = self.config.max_response_bytes
         error: tuple[str, str] | None = None  # (metric kind, message)
+
+        async def relay(chunk: bytes) -> bool:
+            """Forward the events `chunk` completes; False when the client has gone."""
+            events = splitter.feed(chunk)
+            if events:
+                pieces, bad = self._events(events, p, st, role, check=check, annotated=annotated)
+                if pieces and not await self._send(out, b"".join(pieces), o):
+                    return False
+                if bad is not None:
+                    if bad[0] == "internal":
+                        raise _Withheld(bad[1])
+                    raise sse.BadEvent(bad[1])
+            if splitter.pending > limit and not st.finished:
+                raise sse.BadEvent(f"an event is over {limit} bytes")
+            return True
+
         try:
-            async for chunk in resp.content.iter_any():
-                events = splitter.feed(chunk)
-                if events:
-                    pieces, bad = self._events(
-                        events, p, st, role, check=check, annotated=annotated
-                    )
-                    if pieces and not await self._send(out, b"".join(pieces), o):
+            try:
+                async for chunk in resp.content.iter_any():
+                    if not await relay(chunk):
                         if check:
                             self._count(role, st.tally, o)
                         return out
-                    if bad is not None:
-                        if bad[0] == "internal":
-                            error = bad
-                            break
-                        raise sse.BadEvent(bad[1])
-                if splitter.pending > limit:
-                    raise sse.BadEvent(f"an event is over {limit} bytes")
-            if error is None:
+                    if st.finished:
+                        break  # the stream's last event: end it now, whatever follows
+            except aiohttp.ClientPayloadError:
+                # broken framing: the complete events that came with it still go first
+                # (aiohttp raises before handing out what it had buffered)
+                if not await relay(_unread(resp.content)):
+                    if check:
+                        self._count(role, st.tally, o)
+                    return out
+                if not st.finished:
+                    raise
+            if not st.finished:
                 error = self._unfinished(splitter, st, role)
+        except _Withheld as e:
+            error = ("internal", str(e))
+        except BrokenFraming as e:
+            error = (
+                "upstream_garbage",
+                f"the {role} backend sent an invalid stream (its answer is not valid HTTP ({e}))",
+            )
         except sse.BadEvent as e:
             error = ("upstream_garbage", f"the {role} backend sent an invalid stream ({e})")
         except _ShuttingDown:
@@ -1511,6 +1543,8 @@ class Proxy:
             if piece is None:
                 return pieces, ("upstream_garbage", "event data is not a JSON object")
             pieces += piece
+            if st.finished:
+                break  # the last event ([DONE], "stop": true, an error): nothing after it
         return pieces, None
 
     def _event(
@@ -1545,6 +1579,53 @@ class Proxy:
             self.metrics.errors.inc("client_disconnect")
             o.status, o.note = 499, "client disconnected"
             return False
+
+
+class _BodyFailing(ResponseHandler):
+    """aiohttp's client protocol, telling a response body's reader when its framing breaks.
+
+    When a body's framing breaks mid-body (a bad chunk size after good chunks), aiohttp 3.14
+    closes the connection but never tells the body's reader: a relay reading it waited
+    forever, past ``sock_read`` too (the error drops that timer). Here the error reaches the
+    reader as `aiohttp.ClientPayloadError`, like a connection closed mid-body.
+    """
+
+    def set_exception(self, exc: BaseException, exc_cause: BaseException | None = None) -> None:
+        payload = getattr(self, "_payload", None)
+        if exc_cause is None:
+            super().set_exception(exc)
+        else:
+            super().set_exception(exc, exc_cause)
+        if (
+            isinstance(payload, aiohttp.StreamReader)
+            and not payload.is_eof()
+            and payload.exception() is None
+        ):
+            why = str(getattr(exc, "message", "") or "").strip().split("\n", 1)[0]
+            payload.set_exception(BrokenFraming(why.rstrip(":")[:120] or "broken framing"))
+
+
+class BrokenFraming(aiohttp.ClientPayloadError):
+    """A backend's response body whose framing broke mid-body (`_BodyFailing`); its message is
+    the parser's reason."""
+
+
+class _Withheld(Exception):
+    """An event could not be checked (its message says why): the stream ends with a 500."""
+
+
+def _unread(content: Any) -> bytes:
+    """What aiohttp had received of a body but not handed out when the body failed.
+
+    Its StreamReader raises a framing error (a bad chunk) before returning what it had
+    buffered, which may hold complete events that came in the same read. The buffer is
+    private (``_buffer``, ``_buffer_offset``); if it ever changes, nothing is recovered.
+    """
+    buf = getattr(content, "_buffer", None)
+    if not buf:
+        return b""
+    data = b"".join(buf)
+    return data[getattr(content, "_buffer_offset", 0) :]
 
 
 def _withheld(role: str, e: Exception) -> str:
