@@ -45,12 +45,13 @@ from specaudit.dist.coverage import (
 )
 from specaudit.dist.driver import collect, measure, measure_async
 from specaudit.dist.engines import (
-    EXAMPLE_RETRIES,
     SAMPLER_CHAIN,
     Engine,
     ExampleEngine,
     ServerEngine,
+    engine_error,
     parse_example_output,
+    read_example_output,
 )
 from specaudit.dist.openai import FleetEngine, OpenAIEngine, fixture_model
 from specaudit.dist.render import (
@@ -109,7 +110,6 @@ __all__ = [
     "DEFAULT_TOKENS",
     "DEFAULT_TOLERANCE",
     "ENGINES",
-    "EXAMPLE_RETRIES",
     "MAX_CONCURRENCY",
     "MAX_JOBS",
     "MAX_JOINT",
@@ -149,6 +149,7 @@ __all__ = [
     "context_rows",
     "detail_lines",
     "draft_cell",
+    "engine_error",
     "evidence_cell",
     "fixture_model",
     "hf",
@@ -162,6 +163,7 @@ __all__ = [
     "path_rows",
     "paths_markdown",
     "plot_results",
+    "read_example_output",
     "rejected",
     "replay_sequential",
     "run",

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from specaudit import fixtures, stats
 from specaudit.dist.analysis import Tally, analyze
-from specaudit.dist.engines import Engine
+from specaudit.dist.engines import Engine, engine_error
 from specaudit.dist.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
@@ -25,6 +25,7 @@ from specaudit.dist.results import (
 )
 from specaudit.dist.sequential import Sequential
 from specaudit.dist.truth import Truth, encode_text
+from specaudit.errors import SpecauditError
 from specaudit.stats import Verdict
 
 
@@ -56,7 +57,10 @@ async def _drive(
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 seed = running.pop(task)
-                ready[seed] = task.result()  # re-raises the engine's error
+                try:
+                    ready[seed] = task.result()  # re-raises the engine's error
+                except SpecauditError as e:  # one line that names the engine, whichever it is
+                    raise engine_error(engine.label, e) from e
                 drawn += 1
             while consumed < len(order) and order[consumed] in ready:
                 stop = consume(ready.pop(order[consumed]))

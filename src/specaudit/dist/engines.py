@@ -12,13 +12,14 @@ from typing import Any, Protocol
 
 from specaudit import fixtures, speculation
 from specaudit.client import AsyncClient, Client, ClientError
+from specaudit.dist import logflush
 from specaudit.dist.results import DistError, Sample, Workload
 from specaudit.dist.truth import encode_ids, encode_text
+from specaudit.errors import SpecauditError
 
 # The closed form models this chain (fixtures.SamplerSettings); sent explicitly so a server's
 # own defaults (penalties, DRY, XTC, another order) cannot change what is sampled.
 SAMPLER_CHAIN = ("top_k", "top_p", "min_p", "temperature")
-EXAMPLE_RETRIES = 50  # see ExampleEngine: llama.cpp may lose the output tail at exit
 # Requests in flight at most (--concurrency): also caps what a server's /slots may ask for.
 MAX_CONCURRENCY = 1024
 
@@ -122,9 +123,11 @@ def _slot_count(url: str, timeout: float = 10.0) -> int:
 class ExampleEngine:
     """llama.cpp's `llama-speculative` example, one process per seed, processes in parallel.
 
-    Its generated text goes through llama.cpp's asynchronous logger, which can lose the tail
-    of the output when the process exits; a run whose output is incomplete (no closing blank
-    lines, no final statistics) is therefore repeated (same seed, same result).
+    The example prints its text and statistics through llama.cpp's asynchronous logger and
+    never flushes it, so a process can exit before any of it is printed (most runs on a busy
+    machine). Each run therefore has the logger drained at exit by `dist.logflush` (the
+    example's code unchanged): its output is then complete, or the run is an error that says
+    why. Nothing is repeated.
     """
 
     def __init__(
@@ -138,17 +141,20 @@ class ExampleEngine:
         jobs: int | None = None,
         label: str = "llama-speculative",
     ) -> None:
+        self.label = label
         if not Path(binary).is_file():
-            raise DistError(f"llama-speculative binary not found: {binary}")
+            raise DistError(f"{label}: binary not found: {binary}")
         self.binary = Path(binary)
         self.target = Path(target)
         self.draft = Path(draft)
         self.spec = spec
         self.workload = workload
-        self.label = label
         self.kind = "speculative-example"
         self.concurrency = jobs or os.cpu_count() or 1
-        self.retries = 0  # incomplete outputs repeated so far
+        try:
+            self._env = logflush.environ()
+        except SpecauditError as e:
+            raise DistError(f"{label}: cannot read its output completely: {e}") from None
 
     def argv(self, seed: int) -> list[str]:
         s = self.workload.sampler
@@ -168,42 +174,35 @@ class ExampleEngine:
         ]  # fmt: skip
 
     async def sample(self, seed: int) -> Sample:
-        last = ""
-        for _ in range(EXAMPLE_RETRIES):
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv(seed),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            try:
-                out_b, err_b = await proc.communicate()
-            except asyncio.CancelledError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-                raise
-            out = out_b.decode("utf-8", "replace")
-            err = err_b.decode("utf-8", "replace")
-            if proc.returncode != 0:
-                tail = [ln for ln in err.splitlines() if ln.strip()]
-                raise DistError(
-                    f"llama-speculative exited with code {proc.returncode} (seed {seed}): "
-                    f"{tail[-1] if tail else 'no output'}"
-                )
-            parsed = parse_example_output(out, err, self.workload.prompt)
-            if parsed is not None:
-                # complete (closing blank lines and statistics arrived): a shorter text or one
-                # with special tokens (printed as </s>, <s>, <unk>) is what it generated
-                text, drafted, accepted = parsed
-                text = encode_text(text, self.workload.tokens, self.spec)
-                return Sample(seed, text, drafted, accepted)
-            self.retries += 1
-            last = out.strip()[:60]
-        raise DistError(
-            f"llama-speculative (seed {seed}) printed incomplete output {EXAMPLE_RETRIES} times "
-            f"(last: {last!r})"
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv(seed),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self._env,
         )
+        try:
+            out_b, err_b = await proc.communicate()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        out = out_b.decode("utf-8", "replace")
+        err = err_b.decode("utf-8", "replace")
+        if proc.returncode != 0:
+            tail = [ln for ln in err.splitlines() if ln.strip() and logflush.PREFIX not in ln]
+            raise DistError(
+                f"{self.label} (seed {seed}) exited with code {proc.returncode}: "
+                f"{tail[-1].strip() if tail else 'no output'}"
+            )
+        # complete: a shorter text or one with special tokens (printed as </s>, <s>, <unk>) is
+        # what it generated
+        try:
+            text, drafted, accepted = read_example_output(out, err, self.workload.prompt)
+        except DistError as e:
+            raise DistError(f"{self.label} (seed {seed}): {e}") from None
+        return Sample(seed, encode_text(text, self.workload.tokens, self.spec), drafted, accepted)
 
     async def aclose(self) -> None:
         return None
@@ -213,10 +212,11 @@ _STAT_RE = re.compile(r"\bn_(drafted|accept)\s*=\s*(\d+)")
 
 
 def parse_example_output(stdout: str, stderr: str, prompt: str) -> tuple[str, int, int] | None:
-    """(generated text, drafted, accepted) from one llama-speculative run; None if incomplete.
+    """(generated text, drafted, accepted) from one llama-speculative run; None if its output
+    is not the example's complete output.
 
-    stdout is ``\\n\\n`` + prompt + generated + ``\\n\\n`` + ``\\n\\n``; the last two blank lines
-    are logged after the statistics, so seeing them means nothing before was lost.
+    stdout is ``\\n\\n`` + prompt + generated + ``\\n\\n`` + ``\\n\\n``, the statistics
+    (``n_drafted``, ``n_accept``) are on stderr.
     """
     found = dict((k, int(v)) for k, v in _STAT_RE.findall(stderr))
     if "drafted" not in found or "accept" not in found:
@@ -229,11 +229,40 @@ def parse_example_output(stdout: str, stderr: str, prompt: str) -> tuple[str, in
     return body[len(prompt) :], found["drafted"], found["accept"]
 
 
+def read_example_output(stdout: str, stderr: str, prompt: str) -> tuple[str, int, int]:
+    """(generated text, drafted, accepted) of a run whose logger was drained at exit
+    (`logflush.MARKER` on stderr); a one-line `DistError` saying what is missing otherwise.
+
+    With the logger drained everything the example logged was printed, so a missing piece is
+    never a lost tail to retry: it is an example that printed something else.
+    """
+    why = logflush.problem(stderr)
+    if why is not None:
+        raise DistError(why)
+    parsed = parse_example_output(stdout, stderr, prompt)
+    if parsed is None:
+        shown = " ".join(stdout.split())[:60]
+        raise DistError(
+            f"its complete output lacks the prompt {prompt!r} + generated text on stdout or the "
+            f"n_drafted / n_accept statistics on stderr (stdout: {shown!r})"
+        )
+    return parsed
+
+
+def engine_error(label: str, error: BaseException) -> DistError:
+    """`error` as one line that names the engine: '<label>: <why>' (said once)."""
+    msg = " ".join(str(error).split()) or type(error).__name__
+    if msg.startswith(label):
+        return DistError(msg)
+    return DistError(f"{label}: {msg}")
+
+
 __all__ = [
-    "EXAMPLE_RETRIES",
     "SAMPLER_CHAIN",
     "Engine",
     "ExampleEngine",
     "ServerEngine",
+    "engine_error",
     "parse_example_output",
+    "read_example_output",
 ]
