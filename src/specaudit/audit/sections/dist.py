@@ -6,12 +6,19 @@ rejection sampling; ngram-mod), each through the audit's own servers (`presets`)
 llama.cpp's llama-speculative example on the last-token fixture: 1000 seeds each, as in the
 field report. One summary table with each row's path and drafted / accepted / rejected
 counts, then the paths no fixture can exercise (`dist.NOT_COVERED`).
+
+An engine that cannot produce a sample (a server that does not start, an example run that
+fails) does not take the others with it: their results are kept, and the section's error is
+one line naming each such engine and why (the audit then exits 2, no decision).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from specaudit import dist, matrix
 from specaudit.audit.context import AuditContext, Section
+from specaudit.errors import SpecauditError
 from specaudit.fixtures import FixtureSet
 from specaudit.llama import presets
 from specaudit.outcome import Outcome
@@ -28,18 +35,51 @@ def build_paths(ctx: AuditContext) -> list[str]:
     return [p for p in dist.PATHS if p != "rejection" or have]
 
 
-def _server_paths(ctx: AuditContext, fs: FixtureSet, model: str) -> list[dist.EngineResult]:
+def _attempt(
+    failures: list[str], fixture: str, label: str, run: Callable[[], dist.EngineResult]
+) -> dist.EngineResult | None:
+    """`run()`, or None with one line in `failures` naming the engine and why it could not
+    sample (the engines after it still run)."""
+    try:
+        return run()
+    except SpecauditError as e:
+        failures.append(f"{fixture}: {dist.engine_error(label, e)}")
+        return None
+
+
+def _server_paths(
+    ctx: AuditContext, fs: FixtureSet, model: str, failures: list[str]
+) -> list[dist.EngineResult]:
     wl = dist.make_workload(fs.spec)
     results = []
     for path in build_paths(ctx):
         label, kind = dist.PATH_ENGINES[path]
-        srv = ctx.server(presets.fixture_role(model, path))
-        ctx.progress(f"dist: {fs.spec.name}: {label}")
-        eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
-        res = dist.measure(eng, fs.spec, wl, SEEDS)
-        res.path = path
-        results.append(res)
+
+        def run(path: str = path, label: str = label, kind: str = kind) -> dist.EngineResult:
+            srv = ctx.server(presets.fixture_role(model, path))
+            ctx.progress(f"dist: {fs.spec.name}: {label}")
+            eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
+            res = dist.measure(eng, fs.spec, wl, SEEDS)
+            res.path = path
+            return res
+
+        res = _attempt(failures, fs.spec.name, label, run)
+        if res is not None:
+            results.append(res)
     return results
+
+
+def _example(ctx: AuditContext, fs: FixtureSet, failures: list[str]) -> list[dist.EngineResult]:
+    ctx.progress("dist: llama-speculative")
+    wl = dist.make_workload(fs.spec)
+
+    def run() -> dist.EngineResult:
+        speculative = ctx.binaries().speculative
+        ex = dist.ExampleEngine(speculative, fs.target, fs.draft, fs.spec, wl)
+        return dist.measure(ex, fs.spec, wl, SEEDS)
+
+    res = _attempt(failures, fs.spec.name, "llama-speculative", run)
+    return [] if res is None else [res]
 
 
 def _result(fs: FixtureSet, engines: list[dist.EngineResult]) -> dist.DistResult:
@@ -56,13 +96,11 @@ def section(ctx: AuditContext) -> Section:
     greedy, rejection, ngram) and the last-token fixture through llama-speculative, 1000
     seeds each."""
     fs, cfs = ctx.fixture, ctx.context_fixture
-    last = _server_paths(ctx, fs, "fixture")
-    ctx.progress("dist: llama-speculative")
-    wl = dist.make_workload(fs.spec)
-    ex = dist.ExampleEngine(ctx.binaries().speculative, fs.target, fs.draft, fs.spec, wl)
-    last.append(dist.measure(ex, fs.spec, wl, SEEDS))
+    failures: list[str] = []  # one line per engine that could not sample
+    last = _server_paths(ctx, fs, "fixture", failures)
+    last += _example(ctx, fs, failures)
     res = _result(fs, last)
-    res_ctx = _result(cfs, _server_paths(ctx, cfs, "fixture-context"))
+    res_ctx = _result(cfs, _server_paths(ctx, cfs, "fixture-context", failures))
     res.plot = dist.plot_results(res, ctx.out_dir / "dist.png")
     res_ctx.plot = dist.plot_results(res_ctx, ctx.out_dir / "dist-context.png")
     both = [(r, e) for r in (res, res_ctx) for e in r.engines]
@@ -73,6 +111,13 @@ def section(ctx: AuditContext) -> Section:
     ]
     markdown = "\n".join(
         [
+            *(
+                ["**Could not sample** (no decision for these engines):", ""]
+                + [f"- {line}" for line in failures]
+                + [""]
+                if failures
+                else []
+            ),
             "Every llama-server verification path a fixture can exercise, on both fixtures "
             f"(seeds {SEEDS.start}..{SEEDS.stop - 1}); rejected = drafted - accepted.",
             "",
@@ -98,15 +143,22 @@ def section(ctx: AuditContext) -> Section:
     )
     broken = [e for _, e in both if e.verdict is Verdict.BROKEN]
     summary = "; ".join(f"{r.fixture}: {e.engine} {e.verdict.value}" for r, e in both)
+    error = "; ".join(failures) if failures else None
+    if error is not None:
+        status = Outcome.NO_DECISION
+        summary = f"error: {error}" + (f" (measured: {summary})" if summary else "")
+    else:
+        # FINDING when an engine is BROKEN; an INCONCLUSIVE engine is reported, not a finding
+        status = Outcome.FINDING if broken else Outcome.OK
     return Section(
         key="dist",
         title="Distribution: does speculation keep the sampling distribution?",
         markdown=markdown,
         data={"dist": res, "dist_context": res_ctx},
         plots=[res.plot, res_ctx.plot],
-        # FINDING when an engine is BROKEN; an INCONCLUSIVE engine is reported, not a finding
-        status=Outcome.FINDING if broken else Outcome.OK,
+        status=status,
         summary=summary,
+        error=error,
     )
 
 
