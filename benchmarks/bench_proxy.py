@@ -164,27 +164,32 @@ def pct(xs: list[float], q: float) -> float:
 
 
 @contextmanager
-def fixture_servers(tmp: Path, threads: int = 1) -> Iterator[tuple[LlamaServer, LlamaServer]]:
+def fixture_servers(
+    tmp: Path, threads: int = 1, aliases: tuple[str, str] | None = None
+) -> Iterator[tuple[LlamaServer, LlamaServer]]:
     """A plain and a speculating fixture llama-server.
 
     One decode thread each: on a busy 2-core machine ggml's thread barrier stalls for seconds
     whenever a second decode thread is descheduled, which would swamp what is measured here.
+    `aliases` (plain's, spec's) name their models (`--alias`): llama-server echoes the name as
+    ``model`` in every response, so a client can tell which server answered.
     """
     bins = llama.ensure()
     fs = fixtures.build(tmp / "fixtures")
-    common: dict[str, Any] = {
-        "parallel": 4,
-        "ctx_size": 1024,
-        "extra_args": ["-t", str(threads), "-tb", str(threads)],
-    }
+    common: dict[str, Any] = {"parallel": 4, "ctx_size": 1024}
+    args = ["-t", str(threads), "-tb", str(threads)]
+    plain_args, spec_args = ([*args, "--alias", a] for a in aliases) if aliases else (args, args)
     with (
-        LlamaServer(bins, Path(fs.target), name="bench-plain", **common) as plain,
+        LlamaServer(
+            bins, Path(fs.target), name="bench-plain", extra_args=plain_args, **common
+        ) as plain,
         LlamaServer(
             bins,
             Path(fs.target),
             draft=Path(fs.draft),
             spec_type="draft-simple",
             name="bench-spec",
+            extra_args=spec_args,
             **common,
         ) as spec,
     ):
