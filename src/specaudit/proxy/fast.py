@@ -138,14 +138,30 @@ class RequestReader:
             return None
         if end < 0:
             raise NotPlain("the head does not end in CRLF CRLF")
-        self._head = self._plain(end + 4, paths)
+        self._head = self._plain(end + 4, paths, buf)
         return self._head
 
-    def _plain(self, end: int, paths: frozenset[bytes]) -> RequestHead:
+    def message(
+        self, buf: bytes, paths: frozenset[bytes], max_body: int
+    ) -> tuple[RequestHead, int] | None:
+        """The head and the length of the whole request (head and body) once `buf` holds all
+        of it; None while it does not; `NotPlain` as `feed`, or for a body over `max_body`
+        (aiohttp's path answers 413)."""
+        head = self.feed(buf, paths)
+        if head is None:
+            return None
+        if head.length > max_body:
+            raise NotPlain("a body over --max-body-bytes")
+        total = head.end + head.length
+        return (head, total) if len(buf) >= total else None
+
+    def _plain(self, end: int, paths: frozenset[bytes], buf: bytes) -> RequestHead:
         p = self._p
         url = self._url
         if p.get_method() != b"POST" or p.get_http_version() != "1.1" or url not in paths:
             raise NotPlain("not POST <endpoint> HTTP/1.1")
+        if not buf.startswith(b"POST %b HTTP/1.1\r\n" % url):
+            raise NotPlain("not the request line's plain form")  # llhttp allows more spaces
         length: int | None = None
         close = False
         auth: bytes | None = None
@@ -407,20 +423,18 @@ class Front(asyncio.Protocol):
         buf = self.buf
         if self.reader is None:
             self.reader = RequestReader()
+        px = self.px
+        if px._draining:
+            self.hand_over()  # aiohttp's path answers 503
+            return
         try:
-            head = self.reader.feed(buf, PATHS)
+            got = self.reader.message(buf, PATHS, px.config.max_body_bytes)
         except NotPlain:
             self.hand_over()
             return
-        if head is None:
-            return  # the head is still coming
-        px = self.px
-        if head.length > px.config.max_body_bytes or px._draining:
-            self.hand_over()
-            return
-        total = head.end + head.length
-        if len(buf) < total:
-            return  # the body is still coming, within the same deadline
+        if got is None:
+            return  # the head or body is still coming, within the same deadline
+        head, total = got
         try:
             p = routing.plan(_KINDS[head.path], buf[head.end : total])
         except RequestError:
