@@ -79,6 +79,12 @@ def test_a_plain_post_is_taken() -> None:
         HEAD + b"X-A: a\x00b\r\n",
         b"\r\n" + HEAD,  # a blank line first: aiohttp skips it
         HEAD + b"X-Long: " + b"a" * wire.MAX_HEAD + b"\r\n",  # over the head limit
+        HEAD.replace(b"Host: 127.0.0.1:8081\r\n", b""),  # HTTP/1.1 without Host: aiohttp's 400
+        HEAD + b"Host: y\r\n",
+        HEAD + b"Content-Type: text/plain\r\n",  # a second one: aiohttp's 400
+        HEAD + b"Content-Encoding: gzip\r\n",
+        HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(fast.MAX_HEADERS)),
+        HEAD.replace(b"POST /", b"POST  /"),  # llhttp takes runs of spaces: not the plain form
     ],
 )
 def test_anything_else_goes_to_aiohttp(head: bytes) -> None:

@@ -55,6 +55,15 @@ POOL_IDLE = 4.0  # seconds a pooled backend connection may idle (llama-server dr
 PIPELINE_BUFFER = 65536  # bytes of pipelined requests read ahead while one is answered
 PATHS = frozenset(p.encode() for p, (m, _) in routing.ENDPOINTS.items() if m == "POST")
 _KINDS = {p: k for p, (_, k) in routing.ENDPOINTS.items()}
+# what aiohttp's request parser refuses beyond llhttp, so the core hands such requests over:
+MAX_HEADERS = 128  # more headers: a 400
+_SINGLE = frozenset(  # one of each at most (aiohttp's SINGLETON_HEADERS, and Authorization)
+    b"authorization content-length content-location content-range content-type etag host "
+    b"max-forwards server transfer-encoding user-agent".split()
+)
+_REFUSED = frozenset(  # never plain: chunked bodies, 100-continue, upgrades, compressed bodies
+    b"transfer-encoding expect upgrade content-encoding sec-websocket-key1".split()
+)
 _VALUE = re.compile(rb"[\t\x20-\x7e]*")  # visible ASCII and tab: anything else, aiohttp decides
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # no control character but tab in a value
 
@@ -84,11 +93,13 @@ class RequestReader:
 
     llhttp decides whether the bytes are HTTP/1.1 and where each header is (strict: CRLF line
     ends, no obs-fold, no CL with TE, no duplicate CL, token names, no CTL in values). The
-    core then takes only the plain case: ``POST <one of paths> HTTP/1.1`` with one
-    ``Content-Length``, visible-ASCII values and no ``Transfer-Encoding``, ``Expect`` or
-    upgrade, its head (blank line included) at most `wire.MAX_HEAD` bytes however the bytes
-    arrive. Anything else raises `NotPlain` as soon as it shows, and the connection goes to
-    aiohttp's path, whose parser is llhttp too.
+    core then takes only the plain case: ``POST <one of paths> HTTP/1.1`` with one ``Host``
+    and one ``Content-Length``, visible-ASCII values, no ``Transfer-Encoding``, ``Expect``,
+    ``Content-Encoding`` or upgrade, nothing aiohttp's parser refuses beyond llhttp (a second
+    ``Content-Type`` or ``User-Agent``, over `MAX_HEADERS` headers), its head (blank line
+    included) at most `wire.MAX_HEAD` bytes however the bytes arrive. Anything else raises
+    `NotPlain` as soon as it shows, and the connection goes to aiohttp's path, whose parser
+    is llhttp too.
 
     The parser is fed no further than the head's blank line (the first CRLF CRLF: with CRLF
     line ends required and CR refused inside a line, nothing earlier can be one), so it never
@@ -162,19 +173,27 @@ class RequestReader:
             raise NotPlain("not POST <endpoint> HTTP/1.1")
         if not buf.startswith(b"POST %b HTTP/1.1\r\n" % url):
             raise NotPlain("not the request line's plain form")  # llhttp allows more spaces
+        headers = self._headers
+        if len(headers) > MAX_HEADERS:
+            raise NotPlain("too many headers")
         length: int | None = None
         close = False
         auth: bytes | None = None
-        for name, value in self._headers:
+        seen: set[bytes] = set()
+        for name, value in headers:
             if not _VALUE.fullmatch(value):
                 raise NotPlain("a header value that is not visible ASCII")
             n = name.lower()
+            if n in _SINGLE:
+                if n in seen:
+                    raise NotPlain(f"two {n.decode()} headers")
+                seen.add(n)
             if n == b"content-length":
                 value = value.strip(b" \t")
-                if length is not None or not value.isdigit() or len(value) > 15:
+                if not value.isdigit() or len(value) > 15:
                     raise NotPlain("Content-Length")
                 length = int(value)
-            elif n in (b"transfer-encoding", b"expect", b"upgrade"):
+            elif n in _REFUSED:
                 raise NotPlain(n.decode())
             elif n == b"connection":
                 tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
@@ -182,11 +201,9 @@ class RequestReader:
                     raise NotPlain("Connection: upgrade")
                 close = close or b"close" in tokens
             elif n == b"authorization":
-                if auth is not None:
-                    raise NotPlain("two Authorization headers")
                 auth = value.strip(b" \t")
-        if length is None:
-            raise NotPlain("no Content-Length")
+        if length is None or b"host" not in seen:
+            raise NotPlain("no Content-Length or no Host")
         return RequestHead(url.decode("ascii"), url, length, end, close, auth)
 
 
@@ -308,7 +325,7 @@ def _response_head(
         raise BadResponse(f"HTTP/{version}")
     if not 200 <= status <= 599:
         raise BadResponse(f"status {status}")
-    ctype = ""
+    ctype: str | None = None
     length: int | None = None
     chunked = False
     for name, value in headers:
@@ -318,16 +335,19 @@ def _response_head(
         if n == b"content-length":
             length = int(value.strip(b" \t"))  # llhttp checked it: digits, only one
         elif n == b"transfer-encoding":
-            if [c.strip(b" \t").lower() for c in value.split(b",")] != [b"chunked"]:
+            codings = [c.strip(b" \t").lower() for c in value.split(b",")]
+            if chunked or codings != [b"chunked"]:
                 raise BadResponse("unsupported Transfer-Encoding")
             chunked = True
         elif n == b"content-type":
+            if ctype is not None:
+                raise BadResponse("two Content-Type headers")  # which one? aiohttp's path says
             ctype = value.strip(b" \t").decode("latin-1")
     # llhttp knows: HTTP/1.0 without keep-alive, Connection: close, a body until close
     close = not p.should_keep_alive()
     if not chunked and length is None:
         close = True
-    return ResponseHead(status, ctype, length, chunked, close)
+    return ResponseHead(status, ctype or "", length, chunked, close)
 
 
 class Target:
