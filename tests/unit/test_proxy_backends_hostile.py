@@ -332,7 +332,9 @@ def verify(o: Outcome) -> None:
         assert expect != "ok" or ok, f"{o.mode} ({m.why}) must be served: {head!r}"
         assert expect != "error" or not ok, f"{o.mode} ({m.why}) must be an error: {head!r}"
         if m.timeout:
-            assert r.status == 504 and _code(r.body) == 504, head
+            assert r.status == 504 and _code(r.body) == 504, (
+                f"a silent backend must get the read timeout's 504: {head!r}"
+            )
         _check_hits(o, expect, ok)
         return
 
@@ -376,7 +378,7 @@ def verify(o: Outcome) -> None:
     if errors:
         assert len(errors) == 1 and isinstance(errors[0].get("message"), str), errors
         if m.timeout:
-            assert errors[0].get("code") == 504, errors
+            assert errors[0].get("code") == 504, f"a silent backend must end with 504: {errors}"
     if ask.logprobs:
         objs = [event_value(g) for g in got]
         assert_nothing_fake(ask.kind, [v for v in objs if isinstance(v, dict)], stream=True)
