@@ -24,7 +24,8 @@ program run once per seed (`speculative-example`). See docs/dist.md and docs/eng
 
 Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
 closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
-stopping), `engines` (what produces samples), `driver` (sampling an engine, `measure`),
+stopping), `engines` (what produces samples), `logflush` (llama-speculative's output read
+with llama.cpp's logger drained at exit), `driver` (sampling an engine, `measure`),
 `runner` (input checks, servers, `run`), `coverage` (the verification paths run and not
 covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
