@@ -54,7 +54,8 @@ def main() -> int:
             verdict = "no disagreement"
         except AssertionError as e:
             failed = True
-            verdict = f"DISAGREEMENT: {e}"
+            notes = "\n".join(getattr(e, "__notes__", []))  # the minimal example
+            verdict = f"DISAGREEMENT: {e}\n{notes}"
         total = sum(counts.values())
         print(f"{name}: {total} examples in {time.monotonic() - t0:.0f} s, {verdict}")
         for what, n in counts.most_common():

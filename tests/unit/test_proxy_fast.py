@@ -205,6 +205,13 @@ def test_1xx_responses_before_the_answer_are_skipped() -> None:
         assert r.head is not None and r.head.status == 200 and r.complete and body == b"{}"
 
 
+def test_a_1xx_with_a_body_is_a_bad_answer() -> None:
+    """llhttp reads a body for a 199 with Content-Length, h11 (and RFC 9110) never: such an
+    answer is refused rather than read one way or the other (found by differential fuzzing)."""
+    r = read(b'HTTP/1.1 199 X\r\nContent-Length: 15\r\n\r\n{"choices": []}HTTP/1.1 200 OK\r\n\r\n')
+    assert r.error is not None and not r.complete and r.take() == b""
+
+
 def _chunked(pieces: list[bytes], ext: bool, trailers: bool) -> bytes:
     out = b""
     for p in pieces:

@@ -201,7 +201,8 @@ class Taken:
 
 def core_reads(pieces: list[bytes]) -> tuple[list[Taken], str]:
     """What the core does with the pieces: the requests it takes, then "handed over" (the
-    rest goes to aiohttp's path), "waiting" (for more bytes) or "idle"."""
+    rest goes to aiohttp's path), "closed" (after a ``Connection: close``), "waiting" (for
+    more bytes) or "idle"."""
     buf = b""
     offset = 0
     reader: fast.RequestReader | None = None
@@ -219,6 +220,8 @@ def core_reads(pieces: list[bytes]) -> tuple[list[Taken], str]:
                 break
             head, total = got
             taken.append(Taken(head.path, buf[head.end : total], offset, total))
+            if head.close:
+                return taken, "closed"  # answered, then the connection closes
             offset += total
             buf = buf[total:]
             reader = None
@@ -513,4 +516,13 @@ def test_the_properties_hold_for_the_known_hostile_inputs(loop: asyncio.Abstract
     assert isinstance(core_response([injected]), str)  # refused: never forwarded
     info = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
     check_response(info, 1, [3, 30])
+    # found by fuzzing: llhttp reads a body for a 199 with Content-Length, h11 does not
+    check_response(
+        b'HTTP/1.1 199 OK\r\nContent-Length: 15\r\n\r\n{"choices": []}HTTP/1.1 200 OK\r\n\r\n',
+        0,
+        [],
+    )
+    # found by fuzzing: after a Connection: close request, the next one is not served
+    closing = plain.replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n")
+    check_requests(closing + plain, [], loop)
     assert core_response([info]) == CoreResponse(200, "", b"{}")

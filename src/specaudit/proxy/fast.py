@@ -278,6 +278,8 @@ class ResponseReader:
         self.head = _response_head(status, p.get_http_version(), self._headers, p)
 
     def on_body(self, body: bytes) -> None:
+        if self._info:  # llhttp reads a body for some 1xx (199 with Content-Length); h11 never
+            raise BadResponse("a 1xx response with a body")
         self.pieces.append(body)
 
     def on_message_complete(self) -> None:
@@ -299,8 +301,9 @@ class ResponseReader:
                 self.extra = True
             elif isinstance(why, BadResponse):
                 self.error = str(why)
-            else:
-                raise
+            else:  # a defect in a callback: the answer is not vouched for either way
+                log.error("reading a backend's answer failed: %r", why)
+                self.error = f"the proxy could not read its answer ({type(why).__name__})"
         except httptools.HttpParserUpgrade:
             self.error = "it switched protocols unasked"
         except httptools.HttpParserError as e:
