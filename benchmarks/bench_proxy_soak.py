@@ -21,12 +21,17 @@ Load, for `--seconds`:
   completions or native /completion; streamed or not; logprobs (2 candidates) or not;
   max_tokens 8. Even-numbered clients keep their connection alive, odd ones open a new
   connection per request;
-- one pipeliner: `--pipeline-conns` connections, each sent `--pipeline-depth` pipelined
-  ``POST /completion`` requests in one write, `--pipeline-batches` times, and never read;
+- one pipeliner: `--pipeline-conns` (4) connections, each sent `--pipeline-depth` (150)
+  pipelined ``POST /completion`` requests in one write, `--pipeline-batches` (1) times, and
+  never read. Each asks for 128 tokens with 20 candidates (`--pipeline-tokens`,
+  `--pipeline-probs`): about 100 KB of answer for 200 bytes of request, so a proxy that keeps
+  answering a client that reads nothing shows it in its memory;
 - `--idle` connections, opened before the load and held until it ends. Each first sends one
-  ``GET /health`` and reads the answer: a connection that has sent nothing counts as a request
-  being sent, which the proxy ends after --client-timeout (30 s) or pushes out beyond
-  --max-incomplete-requests (256), so idle here means kept alive between requests.
+  request and reads its answer, half ``GET /health`` (aiohttp's path keeps them), half a
+  one-token ``POST /completion`` (the forwarding core keeps them): a connection that has sent
+  nothing counts as a request being sent, which the proxy ends after --client-timeout (30 s)
+  or pushes out beyond --max-incomplete-requests (256), so idle here means kept alive between
+  requests.
 
 How each answer is judged:
 - **which backend answered**: the ``model`` field of the answer (of any event of a stream).
@@ -283,43 +288,61 @@ class Held:
     pipeline_closed_by_proxy: int = 0  # pipeliner connections the proxy closed or reset
 
 
-async def _health_exchange(loop: asyncio.AbstractEventLoop, s: socket.socket) -> None:
-    """Send ``GET /health`` and read its whole answer (Content-Length framed)."""
-    await loop.sock_sendall(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+def _raw_request(path: str, payload: bytes | None) -> bytes:
+    """An HTTP/1.1 request as bytes: GET without `payload`, else a JSON POST."""
+    if payload is None:
+        return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+# what idle connections send before they go idle: a /health check (answered by aiohttp's
+# path, which keeps the connection) or a one-token generation (the forwarding core's)
+IDLE_REQUESTS = [
+    _raw_request("/health", None),
+    _raw_request("/completion", json.dumps({"prompt": PROMPT, "n_predict": 1}).encode()),
+]
+
+
+async def _exchange(loop: asyncio.AbstractEventLoop, s: socket.socket, req: bytes) -> None:
+    """Send `req` and read its whole answer (Content-Length or chunked)."""
+    await loop.sock_sendall(s, req)
     got = b""
     while True:
         head, sep, rest = got.partition(b"\r\n\r\n")
         if sep:
-            length = next(
-                (
-                    int(v)
-                    for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
-                    if k.strip().lower() == b"content-length"
-                ),
-                0,
-            )
-            if len(rest) >= length:
+            fields = {
+                k.strip().lower(): v.strip()
+                for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+            }
+            if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+                if rest.endswith(b"0\r\n\r\n"):
+                    return
+            elif len(rest) >= int(fields.get(b"content-length", b"0")):
                 return
         data = await loop.sock_recv(s, 65536)
         if not data:
-            raise ConnectionError("closed before the /health answer")
+            raise ConnectionError("closed before the answer was complete")
         got += data
 
 
 async def hold_idle(
     port: int, n: int, opened: asyncio.Event, stop: asyncio.Event, held: Held
 ) -> None:
-    """Open `n` connections (100 at a time), one /health exchange each, and hold them until
-    `stop`, noting the ones the proxy closes meanwhile."""
+    """Open `n` connections (100 at a time), one exchange each (`IDLE_REQUESTS` in turn), and
+    hold them until `stop`, noting the ones the proxy closes meanwhile."""
     loop = asyncio.get_running_loop()
     socks: list[socket.socket] = []
 
-    async def open_one() -> None:
+    async def open_one(req: bytes) -> None:
         s = socket.socket()
         s.setblocking(False)
         try:
             await asyncio.wait_for(loop.sock_connect(s, ("127.0.0.1", port)), 30)
-            await asyncio.wait_for(_health_exchange(loop, s), 30)
+            await asyncio.wait_for(_exchange(loop, s, req), 60)
         except (OSError, TimeoutError):
             held.idle_failed += 1
             s.close()
@@ -333,8 +356,9 @@ async def hold_idle(
 
     try:
         for start in range(0, n, 100):
-            await asyncio.gather(*(open_one() for _ in range(min(100, n - start))))
-        held.idle_opened = len(socks)
+            reqs = (IDLE_REQUESTS[i % 2] for i in range(start, min(n, start + 100)))
+            await asyncio.gather(*(open_one(req) for req in reqs))
+        held.idle_opened += len(socks)
         opened.set()
         watchers = [asyncio.ensure_future(watch(s)) for s in socks]
         await stop.wait()
@@ -347,18 +371,19 @@ async def hold_idle(
             s.close()
 
 
+def pipelined_request(tokens: int, probs: int) -> bytes:
+    """One native /completion request with a large answer (`probs` candidates for each of
+    `tokens` tokens: about 100 KB from 128 x 20 on the fixture, from a request of 200 bytes)."""
+    body = {"prompt": PROMPT, "n_predict": tokens, "n_probs": probs, "temperature": 1.0}
+    return _raw_request("/completion", json.dumps(body).encode())
+
+
 async def pipeliner(
-    port: int, conns: int, depth: int, batches: int, stop: asyncio.Event, held: Held
+    port: int, req: bytes, conns: int, depth: int, batches: int, stop: asyncio.Event, held: Held
 ) -> None:
-    """`conns` connections, each sent `depth` pipelined requests per write, `batches` writes;
-    never a byte read (raw sockets: a stream reader would read ahead)."""
+    """`conns` connections, each sent `depth` pipelined copies of `req` per write, `batches`
+    writes; never a byte read (raw sockets: a stream reader would read ahead)."""
     loop = asyncio.get_running_loop()
-    payload = request_body("completion", False, False)
-    req = (
-        b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
     socks: list[socket.socket] = []
 
     async def one() -> None:
@@ -454,7 +479,8 @@ def _sum(m: Mapping[str, float], prefix: str) -> dict[str, float]:
 @dataclass
 class SoakResult:
     backends: str
-    seconds: float
+    seconds: float  # of load, all rounds
+    rounds: int
     clients: int
     idle: int
     pipeline: str
@@ -472,9 +498,11 @@ class SoakResult:
     latency_ms: dict[str, float]
     kinds: list[dict[str, Any]]
     rss_idle_mb: float
+    rss_with_idle_mb: float  # idle connections open, before the load
     rss_peak_mb: float
     rss_end_of_load_mb: float  # connections still held
-    rss_after_mb: float
+    rss_after_mb: float  # after the last round
+    rss_rounds_mb: list[dict[str, float]]  # per round: with_idle, peak, end, after
     held: Held
     warmup_errors: dict[str, int]
     proxy: dict[str, Any]  # from its /metrics after the load
@@ -491,8 +519,8 @@ def log(msg: str) -> None:
 
 
 async def soak(url: str, pid: int, args: argparse.Namespace, rss: RssSampler) -> dict[str, Any]:
-    """Warm up, measure idle RSS, run the load, close everything, let the proxy settle."""
-    port = int(url.rsplit(":", 1)[1])
+    """Warm up, measure the idle RSS, then `--rounds` times: the load, everything closed, the
+    proxy left to settle, its RSS read."""
     warm: dict[Kind, KindStats] = {k: KindStats() for k in KINDS}
     async with aiohttp.ClientSession() as s:
         for kind in KINDS:  # every path the load takes, once, before "idle" is measured
@@ -501,21 +529,61 @@ async def soak(url: str, pid: int, args: argparse.Namespace, rss: RssSampler) ->
     for _ in range(3):  # the median of three reads, 2-3 s after the warm-up
         await asyncio.sleep(1)
         reads.append(rss_mb(pid) or float("nan"))
-    idle_rss = sorted(reads)[1]
+    r: dict[str, Any] = {
+        "warm": warm,
+        "stats": {k: KindStats() for k in KINDS},
+        "held": Held(),
+        "wall": 0.0,
+        "rss_idle": sorted(reads)[1],
+        "rounds": [],
+    }
+    for n in range(args.rounds):
+        if n:
+            log(f"round {n + 1} of {args.rounds}")
+        r["rounds"].append(await load_round(url, pid, args, rss, r))
+    after = r["rounds"][-1]["after"]
+    r["alive"] = rss_mb(pid) is not None
+    r["rss_after"] = after
+    r["rss_peak"] = max(x["peak"] for x in r["rounds"])
+    r["metrics"] = await asyncio.to_thread(proxy_metrics, url)
+    return r
 
+
+async def load_round(
+    url: str, pid: int, args: argparse.Namespace, rss: RssSampler, r: dict[str, Any]
+) -> dict[str, float]:
+    """One load (idle connections, pipeliner, clients), counted into `r`; the proxy's RSS with
+    the idle connections open, at its peak, at the end of the load and after it settled."""
+    port = int(url.rsplit(":", 1)[1])
+    stats: dict[Kind, KindStats] = r["stats"]
+    held: Held = r["held"]
     t_begin = time.monotonic()
-    held, stop, opened = Held(), asyncio.Event(), asyncio.Event()
+    stop, opened = asyncio.Event(), asyncio.Event()
     idle_task = asyncio.ensure_future(hold_idle(port, args.idle, opened, stop, held))
     await opened.wait()
-    log(f"{held.idle_opened} idle connections open ({held.idle_failed} failed)")
-    pipe_task = asyncio.ensure_future(
-        pipeliner(port, args.pipeline_conns, args.pipeline_depth, args.pipeline_batches, stop, held)
+    await asyncio.sleep(1)
+    with_idle = rss_mb(pid) or float("nan")
+    log(
+        f"{held.idle_opened} idle connections open ({held.idle_failed} failed); proxy RSS "
+        f"{r['rss_idle']:.1f} MB idle, {with_idle:.1f} MB with them"
     )
-    stats: dict[Kind, KindStats] = {k: KindStats() for k in KINDS}
+    req = pipelined_request(args.pipeline_tokens, args.pipeline_probs)
+    pipe_task = asyncio.ensure_future(
+        pipeliner(
+            port,
+            req,
+            args.pipeline_conns,
+            args.pipeline_depth,
+            args.pipeline_batches,
+            stop,
+            held,
+        )
+    )
     t0 = time.monotonic()
     until = t0 + args.seconds
+    seed = args.seed + len(r["rounds"])  # each round its own request sequence
     clients = [
-        asyncio.ensure_future(client(i, url, until, stats, args.request_timeout, args.seed))
+        asyncio.ensure_future(client(i, url, until, stats, args.request_timeout, seed))
         for i in range(args.clients)
     ]
 
@@ -537,7 +605,7 @@ async def soak(url: str, pid: int, args: argparse.Namespace, rss: RssSampler) ->
         for t in pending:
             t.cancel()
         await asyncio.gather(*clients, return_exceptions=True)
-        t_load = time.monotonic()
+        r["wall"] += time.monotonic() - t0
         end_rss = rss_mb(pid) or float("nan")
     finally:
         ticker.cancel()
@@ -548,22 +616,17 @@ async def soak(url: str, pid: int, args: argparse.Namespace, rss: RssSampler) ->
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = await asyncio.to_thread(proxy_metrics, url)
-        if m.get("specaudit_proxy_in_flight", 0) == 0:
+        if m.get("specaudit_proxy_in_flight", 0) <= 1:  # the /metrics request itself
             break
         await asyncio.sleep(0.5)
     await asyncio.sleep(args.settle)
     after = rss_mb(pid)
+    log(f"proxy RSS after the load: {after or float('nan'):.1f} MB")
     return {
-        "stats": stats,
-        "warm": warm,
-        "held": held,
-        "wall": t_load - t0,
-        "rss_idle": idle_rss,
-        "rss_peak": rss.peak(t_begin, t_end),
-        "rss_end": end_rss,
-        "rss_after": after if after is not None else float("nan"),
-        "metrics": await asyncio.to_thread(proxy_metrics, url),
-        "alive": after is not None,
+        "with_idle": with_idle,
+        "peak": rss.peak(t_begin, t_end),
+        "end": end_rss,
+        "after": after if after is not None else float("nan"),
     }
 
 
@@ -628,9 +691,13 @@ def summarise(r: dict[str, Any], args: argparse.Namespace, load0: float) -> Soak
     return SoakResult(
         backends="fake" if args.fake_backends else "fixture llama-server",
         seconds=round(r["wall"], 1),
+        rounds=args.rounds,
         clients=args.clients,
         idle=args.idle,
-        pipeline=f"{args.pipeline_conns} x {args.pipeline_batches} x {args.pipeline_depth}",
+        pipeline=(
+            f"{args.pipeline_conns} x {args.pipeline_batches} x {args.pipeline_depth} "
+            f"(/completion, {args.pipeline_tokens} tokens x {args.pipeline_probs} candidates)"
+        ),
         load_avg=(load0, os.getloadavg()[0]),
         requests=ok + sum(errors.values()),
         ok=ok,
@@ -645,8 +712,10 @@ def summarise(r: dict[str, Any], args: argparse.Namespace, load0: float) -> Soak
         latency_ms=_latency(all_lat),
         kinds=kinds,
         rss_idle_mb=round(r["rss_idle"], 1),
+        rss_with_idle_mb=round(r["rounds"][-1]["with_idle"], 1),
         rss_peak_mb=round(r["rss_peak"], 1),
-        rss_end_of_load_mb=round(r["rss_end"], 1),
+        rss_end_of_load_mb=round(r["rounds"][-1]["end"], 1),
+        rss_rounds_mb=[{k: round(v, 1) for k, v in x.items()} for x in r["rounds"]],
         rss_after_mb=round(r["rss_after"], 1),
         held=held,
         warmup_errors=dict(warm_errors),
@@ -687,6 +756,7 @@ def render(res: SoakResult) -> None:
     lat = res.latency_ms
     h = res.held
     load = f"load avg {res.load_avg[0]:.2f} -> {res.load_avg[1]:.2f}"
+    over = f" over {res.rounds} rounds" if res.rounds > 1 else ""
     fast = ", ".join(f"{k} {v:.0f}" for k, v in res.proxy["fast_path"].items())
     perrs = ", ".join(f"{k} {v:.0f}" for k, v in res.proxy["errors"].items()) or "0"
     rows = [
@@ -708,18 +778,20 @@ def render(res: SoakResult) -> None:
         ),
         (
             "proxy RSS MB",
-            f"idle {res.rss_idle_mb:.1f}, peak {res.rss_peak_mb:.1f}, end of load "
+            f"idle {res.rss_idle_mb:.1f}, with the idle connections "
+            f"{res.rss_with_idle_mb:.1f}, peak {res.rss_peak_mb:.1f}, end of load "
             f"{res.rss_end_of_load_mb:.1f}, after {res.rss_after_mb:.1f} "
             f"({res.rss_after_mb - res.rss_idle_mb:+.1f} from idle)",
         ),
         (
             "idle connections",
-            f"{h.idle_opened} held ({h.idle_failed} failed to open), "
+            f"{h.idle_opened} held{over} ({h.idle_failed} failed to open), "
             f"{h.idle_closed_by_proxy} closed by the proxy",
         ),
         (
             "pipeliner",
-            f"{res.pipeline}: {h.pipelined_sent} requests ({h.pipelined_bytes} bytes) written, "
+            f"{res.pipeline}: {h.pipelined_sent} requests ({h.pipelined_bytes} bytes) "
+            f"written{over}, "
             f"{h.pipeline_closed_by_proxy} connections closed by the proxy",
         ),
         (
@@ -727,6 +799,16 @@ def render(res: SoakResult) -> None:
             f"requests {res.proxy['requests']:.0f}; fast path {fast}; errors {perrs}",
         ),
     ]
+    if len(res.rss_rounds_mb) > 1:
+        rows.append(
+            (
+                "proxy RSS MB per round",
+                "; ".join(
+                    f"{i + 1}: peak {x['peak']:.1f}, after {x['after']:.1f}"
+                    for i, x in enumerate(res.rss_rounds_mb)
+                ),
+            )
+        )
     if res.warmup_errors:
         rows.append(("warm-up errors", str(res.warmup_errors)))
     for a, b in rows:
@@ -899,11 +981,20 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=2000, help="idle connections held")
     ap.add_argument("--pipeline-conns", type=int, default=4)
     ap.add_argument("--pipeline-depth", type=int, default=150, help="requests per write")
-    ap.add_argument("--pipeline-batches", type=int, default=4, help="writes per connection")
+    ap.add_argument("--pipeline-batches", type=int, default=1, help="writes per connection")
+    ap.add_argument("--pipeline-tokens", type=int, default=128, help="n_predict, pipelined")
+    ap.add_argument("--pipeline-probs", type=int, default=20, help="n_probs, pipelined")
     ap.add_argument("--fake-backends", action="store_true", help="fast fakes, not llama-server")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before RSS 'after'")
     ap.add_argument("--rss-slack", type=float, default=20.0, help="MB allowed above idle")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the load (after it settles): memory a leak holds grows round by round, "
+        "memory the allocator keeps for reuse does not",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
         "--proxy-src",
