@@ -64,7 +64,7 @@ _SINGLE = frozenset(  # one of each at most (aiohttp's SINGLETON_HEADERS, and Au
 _REFUSED = frozenset(  # never plain: chunked bodies, 100-continue, upgrades, compressed bodies
     b"transfer-encoding expect upgrade content-encoding sec-websocket-key1".split()
 )
-_VALUE = re.compile(rb"[\t\x20-\x7e]*")  # visible ASCII and tab: anything else, aiohttp decides
+_NOTED = _SINGLE | _REFUSED | {b"connection"}  # the headers the core looks at
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # no control character but tab in a value
 
 
@@ -181,20 +181,22 @@ class RequestReader:
         auth: bytes | None = None
         seen: set[bytes] = set()
         for name, value in headers:
-            if not _VALUE.fullmatch(value):
-                raise NotPlain("a header value that is not visible ASCII")
+            # llhttp refused control characters (tab aside) and DEL: ASCII is visible ASCII
+            if not value.isascii():
+                raise NotPlain("a header value that is not ASCII")
             n = name.lower()
-            if n in _SINGLE:
-                if n in seen:
-                    raise NotPlain(f"two {n.decode()} headers")
-                seen.add(n)
+            if n not in _NOTED:
+                continue  # most headers (Accept, X-Stainless-*, ...): nothing to do
+            if n in _REFUSED:
+                raise NotPlain(n.decode())
+            if n in seen and n != b"connection":
+                raise NotPlain(f"two {n.decode()} headers")
+            seen.add(n)
             if n == b"content-length":
                 value = value.strip(b" \t")
                 if not value.isdigit() or len(value) > 15:
                     raise NotPlain("Content-Length")
                 length = int(value)
-            elif n in _REFUSED:
-                raise NotPlain(n.decode())
             elif n == b"connection":
                 tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
                 if b"upgrade" in tokens:
