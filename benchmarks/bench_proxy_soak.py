@@ -3,7 +3,12 @@ thousands of idle connections. Does every request reach the right backend, does 
 pass as real, and does the proxy give its memory back?
 
     .venv/bin/python benchmarks/bench_proxy_soak.py [--seconds 60] [--clients 200]
-        [--idle 2000] [--fake-backends] [--json]
+        [--idle 2000] [--fake-backends] [--rounds 1] [--proxy-src DIR] [--json]
+
+It takes about 80 s per round plus the servers' start. `--proxy-src DIR` runs another
+checkout's proxy (for a before/after pair: ``git archive REV src | tar -x -C DIR``, then
+``--proxy-src DIR/src``); `--rounds N` repeats the load, so memory a leak holds (growing round
+by round) can be told from memory the allocator keeps for reuse (flat after the first round).
 
 The proxy runs as its own process (`specaudit proxy`, as a user runs it, started by
 benchmarks/bench_proxy.py's `proxy_process`), so the resident memory read from
@@ -52,11 +57,11 @@ How each answer is judged:
 Goals (exit 1 and one line per missed goal; 0 when all are met): wrong routes and
 unidentified answers 0; placeholders presented as real 0; proxy RSS after the load (every
 client closed, nothing in flight, then `--settle` seconds) within `--rss-slack` MB (20) of its
-idle RSS before the load; the proxy still running at the end; and every one of the 12 request
-kinds answered at least once (otherwise the other goals prove nothing for it). Errors, latency
-percentiles (from sending the request to the last byte of the answer, measured in this
-process, so a busy load generator adds to them) and peak RSS (sampled every 0.5 s) are
-reported, not goals.
+idle RSS (after one request of each kind, before any load or idle connection); the proxy
+still running at the end; and every one of the 12 request kinds answered at least once
+(otherwise the other goals prove nothing for it). Errors, latency percentiles (from sending
+the request to the last byte of the answer, measured in this process, so a busy load
+generator adds to them) and peak RSS (sampled every 0.5 s) are reported, not goals.
 """
 
 from __future__ import annotations
@@ -283,6 +288,7 @@ class Held:
     idle_opened: int = 0
     idle_failed: int = 0  # could not connect or got no /health answer
     idle_closed_by_proxy: int = 0  # closed by the proxy while held
+    idle_closed_after: float | None = None  # the shortest time one was held before that (s)
     pipelined_sent: int = 0  # requests written to the pipeliner's sockets
     pipelined_bytes: int = 0
     pipeline_closed_by_proxy: int = 0  # pipeliner connections the proxy closed or reset
@@ -337,6 +343,8 @@ async def hold_idle(
     loop = asyncio.get_running_loop()
     socks: list[socket.socket] = []
 
+    opened_at: dict[socket.socket, float] = {}
+
     async def open_one(req: bytes) -> None:
         s = socket.socket()
         s.setblocking(False)
@@ -348,11 +356,14 @@ async def hold_idle(
             s.close()
             return
         socks.append(s)
+        opened_at[s] = time.monotonic()
 
     async def watch(s: socket.socket) -> None:
         with contextlib.suppress(OSError):
             await loop.sock_recv(s, 1)  # returns only when the proxy closes (or sends)
         held.idle_closed_by_proxy += 1
+        after = time.monotonic() - opened_at[s]
+        held.idle_closed_after = min(after, held.idle_closed_after or after)
 
     try:
         for start in range(0, n, 100):
@@ -593,9 +604,13 @@ async def load_round(
             n = sum(k.ok + sum(k.errors.values()) for k in stats.values())
             errs = sum(sum(k.errors.values()) for k in stats.values())
             wrong = sum(k.wrong for k in stats.values())
+            m = await asyncio.to_thread(proxy_metrics, url)
+            core = _sum(m, "specaudit_proxy_fast_path_total").get('outcome="served"', 0)
+            total = sum(_sum(m, "specaudit_proxy_requests_total").values())
             log(
                 f"{time.monotonic() - t0:5.0f} s: {n} requests, {errs} errors, {wrong} wrong "
-                f"routes, proxy RSS {rss_mb(pid) or float('nan'):.1f} MB, "
+                f"routes, proxy: {core:.0f} of {total:.0f} served by its core, "
+                f"RSS {rss_mb(pid) or float('nan'):.1f} MB, "
                 f"pipelined {held.pipelined_sent}"
             )
 
@@ -664,6 +679,7 @@ def summarise(r: dict[str, Any], args: argparse.Namespace, load0: float) -> Soak
         "requests": sum(_sum(m, "specaudit_proxy_requests_total").values()),
         "errors": _sum(m, "specaudit_proxy_errors_total"),
         "fast_path": _sum(m, "specaudit_proxy_fast_path_total"),
+        "backend_up": _sum(m, "specaudit_proxy_backend_up"),
         "placeholders_caught": sum(_sum(m, "specaudit_proxy_placeholders_caught_total").values()),
     }
     missed = []
@@ -786,7 +802,12 @@ def render(res: SoakResult) -> None:
         (
             "idle connections",
             f"{h.idle_opened} held{over} ({h.idle_failed} failed to open), "
-            f"{h.idle_closed_by_proxy} closed by the proxy",
+            f"{h.idle_closed_by_proxy} closed by the proxy"
+            + (
+                f" (the first {h.idle_closed_after:.0f} s after its answer)"
+                if h.idle_closed_after is not None
+                else ""
+            ),
         ),
         (
             "pipeliner",
