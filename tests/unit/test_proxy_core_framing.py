@@ -227,6 +227,17 @@ def test_a_body_with_broken_framing_is_a_502_not_a_hang() -> None:
     assert got["core"].content == got["aiohttp"].content
 
 
+def test_a_backend_silent_after_its_head_still_gets_the_read_timeout() -> None:
+    """Passing broken framing on to aiohttp's body reader must not turn its read timeout
+    into a framing error: a 504, not a 502, on both paths."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    backend = RawBackend(lambda: [head + b'{"cho', 30.0])
+    with proxy_over(backend, read_timeout=1.0) as px:
+        got = both_paths(px, LOGPROBS)
+    for path, r in got.items():
+        assert r.status_code == 504, (path, r.content)
+
+
 # a client's request ----------------------------------------------------------------------------
 
 

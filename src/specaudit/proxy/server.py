@@ -1597,7 +1597,8 @@ class _BodyFailing(ResponseHandler):
         else:
             super().set_exception(exc, exc_cause)
         if (
-            isinstance(payload, aiohttp.StreamReader)
+            isinstance(exc, HttpProcessingError)  # the parser's (not a timeout, not a close)
+            and isinstance(payload, aiohttp.StreamReader)
             and not payload.is_eof()
             and payload.exception() is None
         ):
