@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 from scipy import stats as st
 
-from specaudit import dist, fixtures, llama
+from specaudit import distribution, fixtures, llama
 from specaudit.stats import Verdict
 
 PARALLEL = 4
@@ -53,20 +53,20 @@ async def raw_client(url: str, body: dict, seeds: range) -> float:  # type: igno
 
 
 def bench_overhead(url: str, fs: fixtures.FixtureSet, n: int, rounds: int) -> None:
-    wl = dist.make_workload(fs.spec)
+    wl = distribution.make_workload(fs.spec)
     seeds = range(1, n + 1)
-    eng = dist.ServerEngine(url, fs.spec, wl, concurrency=CONCURRENCY)
+    eng = distribution.ServerEngine(url, fs.spec, wl, concurrency=CONCURRENCY)
     body = eng.body(0)  # the very request the harness sends (seed replaced per request)
     # warm-up: connections, prompt cache
-    dist.measure(eng, fs.spec, wl, range(1, 201))
+    distribution.measure(eng, fs.spec, wl, range(1, 201))
     # raw, harness, raw, harness, ..., raw: each harness run against the mean of the raw runs
     # on either side of it, so drift in the machine's load cancels out.
     raws = [asyncio.run(raw_client(url, body, seeds))]
     harn, ratios = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        res = dist.measure(
-            dist.ServerEngine(url, fs.spec, wl, concurrency=CONCURRENCY), fs.spec, wl, seeds
+        res = distribution.measure(
+            distribution.ServerEngine(url, fs.spec, wl, concurrency=CONCURRENCY), fs.spec, wl, seeds
         )
         h = n / (time.perf_counter() - t0)  # end to end, statistics included
         assert res.n_samples == n
@@ -85,11 +85,11 @@ def bench_overhead(url: str, fs: fixtures.FixtureSet, n: int, rounds: int) -> No
 
 
 def bench_sequential(bins: llama.LlamaBinaries, fs: fixtures.FixtureSet, blocks: int) -> None:
-    wl = dist.make_workload(fs.spec)
+    wl = distribution.make_workload(fs.spec)
     used = []
     for b in range(blocks):
-        eng = dist.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl)
-        res = dist.measure(
+        eng = distribution.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl)
+        res = distribution.measure(
             eng, fs.spec, wl, range(1 + 500 * b, 501 + 500 * b), alpha=1e-3, sequential=True
         )
         assert res.sequential is not None
@@ -107,19 +107,19 @@ def bench_sequential(bins: llama.LlamaBinaries, fs: fixtures.FixtureSet, blocks:
 
 
 def bench_false_alarms(url: str, fs: fixtures.FixtureSet, runs: int, block: int) -> None:
-    wl = dist.make_workload(fs.spec)
-    eng = dist.ServerEngine(url, fs.spec, wl, label="plain", concurrency=CONCURRENCY)
+    wl = distribution.make_workload(fs.spec)
+    eng = distribution.ServerEngine(url, fs.spec, wl, label="plain", concurrency=CONCURRENCY)
     t0 = time.perf_counter()
-    samples = dist.collect(eng, range(1, runs * block + 1))
+    samples = distribution.collect(eng, range(1, runs * block + 1))
     t_sample = time.perf_counter() - t0
     alarms = seq_alarms = inconclusive = 0
     t0 = time.perf_counter()
     for i in range(runs):
         chunk = samples[i * block : (i + 1) * block]
-        res = dist.analyze(fs.spec, wl, chunk, alpha=0.01, mc_seed=i)
+        res = distribution.analyze(fs.spec, wl, chunk, alpha=0.01, mc_seed=i)
         alarms += res.verdict is Verdict.BROKEN
         inconclusive += res.verdict is Verdict.INCONCLUSIVE
-        v, _ = dist.replay_sequential(fs.spec, wl, chunk, alpha=0.01)
+        v, _ = distribution.replay_sequential(fs.spec, wl, chunk, alpha=0.01)
         seq_alarms += v is Verdict.BROKEN
     t_stats = time.perf_counter() - t0
     for name, k in (("fixed-sample", alarms), ("sequential", seq_alarms)):
@@ -151,7 +151,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-dist-") as tmp:
         fs = fixtures.build(Path(tmp) / "fixture")
         print(f"fixture {fs.spec.name}, llama.cpp {bins.label}, python {sys.version.split()[0]}")
-        with dist.spawn_server(bins, fs, draft=False, parallel=PARALLEL) as srv:
+        with distribution.spawn_server(bins, fs, draft=False, parallel=PARALLEL) as srv:
             bench_overhead(srv.url, fs, args.overhead_samples, args.rounds)
             bench_sequential(bins, fs, args.seq_blocks)
             bench_false_alarms(srv.url, fs, args.runs, args.block)

@@ -41,8 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specaudit import dist, fixtures, llama
-from specaudit.dist import runner
+from specaudit import distribution, fixtures, llama
+from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
@@ -116,12 +116,12 @@ def server(
 
 
 def first_fixed_rejection(
-    fs: fixtures.FixtureSet, wl: dist.Workload, samples: list[dist.Sample]
+    fs: fixtures.FixtureSet, wl: distribution.Workload, samples: list[distribution.Sample]
 ) -> str:
     for n in GRID:
         if n > len(samples):
             break
-        if dist.analyze(fs.spec, wl, samples[:n], alpha=ALPHA).verdict is Verdict.BROKEN:
+        if distribution.analyze(fs.spec, wl, samples[:n], alpha=ALPHA).verdict is Verdict.BROKEN:
             return str(n)
     return f">{len(samples)}"
 
@@ -144,9 +144,11 @@ def measure_row(
             got = {}
             for t in temps:
                 sampler = fixtures.SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=t)
-                wl = dist.make_workload(fs.spec, sampler=sampler)
-                eng = dist.ServerEngine(srv.url, fs.spec, wl, label=build, kind="server-spec")
-                got[t] = (wl, dist.collect(eng, seeds))
+                wl = distribution.make_workload(fs.spec, sampler=sampler)
+                eng = distribution.ServerEngine(
+                    srv.url, fs.spec, wl, label=build, kind="server-spec"
+                )
+                got[t] = (wl, distribution.collect(eng, seeds))
     except (SpecauditError, OSError) as e:
         msg = " ".join(str(e).split())
         tail = msg.split(": ")[-1][:60]
@@ -163,9 +165,11 @@ def measure_row(
             r0 = base[1]
             rows.append(replace(r0, build=build, same="yes", drafted=f"{dn}/{da}"))
         else:
-            fixed = dist.analyze(fs.spec, wl, samples, alpha=ALPHA)
-            ev, eseq = dist.replay_sequential(fs.spec, wl, samples, alpha=ALPHA, tolerance=1e-9)
-            sv, sseq = dist.replay_sequential(fs.spec, wl, samples, alpha=ALPHA)
+            fixed = distribution.analyze(fs.spec, wl, samples, alpha=ALPHA)
+            ev, eseq = distribution.replay_sequential(
+                fs.spec, wl, samples, alpha=ALPHA, tolerance=1e-9
+            )
+            sv, sseq = distribution.replay_sequential(fs.spec, wl, samples, alpha=ALPHA)
             rows.append(
                 Row(
                     build,

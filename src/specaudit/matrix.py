@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specaudit import check, dist, fixtures, llama, speculation
+from specaudit import check, distribution, fixtures, llama, speculation
 from specaudit.client import Client
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets
@@ -52,7 +52,7 @@ class VariantResult:
     check_verdict: str  # "real" or "placeholders"
     draft_n: int | None  # draft tokens the check's requests drafted
     # dist on each verification path this build has: path -> verdict and counts
-    dist: dict[str, dist.EngineResult] = field(default_factory=dict)
+    dist: dict[str, distribution.EngineResult] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,8 +123,8 @@ def _variant(
     logs: Path,
     progress: ProgressFn,
 ) -> tuple[VariantResult, speculation.SpeculationInfo]:
-    wl = dist.make_workload(fs.spec)
-    results: dict[str, dist.EngineResult] = {}
+    wl = distribution.make_workload(fs.spec)
+    results: dict[str, distribution.EngineResult] = {}
     info: speculation.SpeculationInfo | None = None
     chk: check.CheckResult | None = None
     for path in paths:
@@ -142,8 +142,8 @@ def _variant(
                 with Client(srv.url, timeout=30) as c:
                     info = speculation.read(c)
             progress(f"{label}: dist ({seeds} seeds)")
-            eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind="server-spec")
-            res = dist.measure(eng, fs.spec, wl, range(1, seeds + 1))
+            eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=label, kind="server-spec")
+            res = distribution.measure(eng, fs.spec, wl, range(1, seeds + 1))
             res.path = path
             results[path] = res
     assert chk is not None and info is not None

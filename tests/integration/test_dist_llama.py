@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specaudit import audit, dist, fixtures
+from specaudit import audit, distribution, fixtures
 from specaudit.audit.sections import dist as dist_section
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
@@ -23,16 +23,16 @@ SERVER_SEEDS = range(1, 1001)  # the report's 1000 seeds
 EXAMPLE_SEEDS = range(1, 301)  # the example's bias is gross: 300 runs are plenty
 
 
-def _server_result(url: str, fs: fixtures.FixtureSet, kind: str) -> dist.EngineResult:
-    wl = dist.make_workload(fs.spec)
-    eng = dist.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
-    return dist.measure(eng, fs.spec, wl, SERVER_SEEDS)
+def _server_result(url: str, fs: fixtures.FixtureSet, kind: str) -> distribution.EngineResult:
+    wl = distribution.make_workload(fs.spec)
+    eng = distribution.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
+    return distribution.measure(eng, fs.spec, wl, SERVER_SEEDS)
 
 
-def _example_result(bins: LlamaBinaries, fs: fixtures.FixtureSet) -> dist.EngineResult:
-    wl = dist.make_workload(fs.spec)
-    eng = dist.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl)
-    return dist.measure(eng, fs.spec, wl, EXAMPLE_SEEDS)
+def _example_result(bins: LlamaBinaries, fs: fixtures.FixtureSet) -> distribution.EngineResult:
+    wl = distribution.make_workload(fs.spec)
+    eng = distribution.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl)
+    return distribution.measure(eng, fs.spec, wl, EXAMPLE_SEEDS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,11 +71,13 @@ def test_speculative_example_is_broken(
 def test_sequential_flags_the_example_within_50_samples(
     llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet
 ) -> None:
-    wl = dist.make_workload(fixture_set.spec)
-    eng = dist.ExampleEngine(
+    wl = distribution.make_workload(fixture_set.spec)
+    eng = distribution.ExampleEngine(
         llama_bins.speculative, fixture_set.target, fixture_set.draft, fixture_set.spec, wl
     )
-    res = dist.measure(eng, fixture_set.spec, wl, range(1, 501), alpha=1e-3, sequential=True)
+    res = distribution.measure(
+        eng, fixture_set.spec, wl, range(1, 501), alpha=1e-3, sequential=True
+    )
     assert res.verdict is Verdict.BROKEN
     assert res.sequential is not None and res.sequential.decided_by == "e-value"
     assert res.sequential.samples_used <= 50
@@ -108,7 +110,7 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
     for key in ("dist", "dist_context"):  # last-token, context
         res = sec.data[key]
         servers = [e for e in res.engines if e.path is not None]
-        assert [e.path for e in servers] == list(dist.PATHS), key
+        assert [e.path for e in servers] == list(distribution.PATHS), key
         for e in servers:
             assert e.verdict is Verdict.PRESERVED, (key, e.path, e.reason)
             assert e.n_samples == 1000
@@ -126,7 +128,7 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
     assert len(sec.plots) == 2 and all(p.is_file() for p in sec.plots)
     assert "drafted" in sec.markdown and "p (Holm)" in sec.markdown
     assert "| rejected |" in sec.markdown and "Not covered" in sec.markdown
-    for path in dist.PATHS:
+    for path in distribution.PATHS:
         assert f"| {path} |" in sec.markdown
 
 
@@ -134,15 +136,15 @@ def test_dist_run_server_every_path(
     llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet, tmp_path: Path
 ) -> None:
     """`dist.run(["server"])`: one llama-server per path, each row labelled with its path."""
-    res = dist.run(["server"], fixture=fixture_set, binaries=llama_bins, work_dir=tmp_path)
-    assert [e.path for e in res.engines] == list(dist.PATHS)
+    res = distribution.run(["server"], fixture=fixture_set, binaries=llama_bins, work_dir=tmp_path)
+    assert [e.path for e in res.engines] == list(distribution.PATHS)
     by_path = {e.path: e for e in res.engines}
     for e in res.engines:
         assert e.verdict is Verdict.PRESERVED, (e.path, e.reason)
     assert by_path["plain"].drafted is None
     for p in ("greedy", "rejection", "ngram"):
         e = by_path[p]
-        assert e.drafted is not None and e.drafted > 0 and dist.rejected(e) is not None, p
+        assert e.drafted is not None and e.drafted > 0 and distribution.rejected(e) is not None, p
     # the rejection sampler accepts far more than sample-and-match (2257/1493 vs 2637/946)
     rej, greedy = by_path["rejection"], by_path["greedy"]
     assert rej.accepted is not None and greedy.accepted is not None and rej.drafted
@@ -167,8 +169,8 @@ def other_servers(
     llama_bins: LlamaBinaries, other_fixture: fixtures.FixtureSet
 ) -> Iterator[dict[str, str]]:
     with (
-        dist.spawn_server(llama_bins, other_fixture, draft=False) as plain,
-        dist.spawn_server(llama_bins, other_fixture, draft=True) as spec,
+        distribution.spawn_server(llama_bins, other_fixture, draft=False) as plain,
+        distribution.spawn_server(llama_bins, other_fixture, draft=True) as spec,
     ):
         yield {"plain": plain.url, "spec": spec.url}
 

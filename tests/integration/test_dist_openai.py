@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)
@@ -19,13 +19,13 @@ def test_openai_engine_agrees_with_native(
 ) -> None:
     url = server("fixture-spec").url
     spec = fixture_set.spec
-    wl = dist.make_workload(spec)
-    native = dist.collect(dist.ServerEngine(url, spec, wl), range(1, 201))
-    oai = dist.OpenAIEngine(url, spec, wl)
+    wl = distribution.make_workload(spec)
+    native = distribution.collect(distribution.ServerEngine(url, spec, wl), range(1, 201))
+    oai = distribution.OpenAIEngine(url, spec, wl)
     assert oai.model.endswith(fixtures.TARGET_FILE)  # /v1/models named the fixture
-    assert [s.text for s in dist.collect(oai, range(1, 201))] == [s.text for s in native]
-    res_native = dist.measure(dist.ServerEngine(url, spec, wl), spec, wl, SEEDS)
-    res_oai = dist.measure(dist.OpenAIEngine(url, spec, wl), spec, wl, SEEDS)
+    assert [s.text for s in distribution.collect(oai, range(1, 201))] == [s.text for s in native]
+    res_native = distribution.measure(distribution.ServerEngine(url, spec, wl), spec, wl, SEEDS)
+    res_oai = distribution.measure(distribution.OpenAIEngine(url, spec, wl), spec, wl, SEEDS)
     assert res_native.verdict is Verdict.PRESERVED, res_native.reason
     assert res_oai.verdict is res_native.verdict, res_oai.reason
     # llama-server's /v1/completions carries its timings: the draft counts come through
@@ -39,20 +39,20 @@ def test_fleet_spreads_seeds_and_keeps_seed_order(
     # the plain and the speculating server give the same sample for a seed: a fleet of the
     # two must give exactly one server's samples, in seed order
     urls = [server("fixture-plain").url, server("fixture-spec").url]
-    res = dist.run(["openai"], fixture=fixture_set, url=urls, seeds=400)
+    res = distribution.run(["openai"], fixture=fixture_set, url=urls, seeds=400)
     (e,) = res.engines
     assert e.verdict in (Verdict.PRESERVED, Verdict.INCONCLUSIVE), e.reason
     assert e.verdict is not Verdict.BROKEN
     spec = fixture_set.spec
-    wl = dist.make_workload(spec)
-    fleet = dist.FleetEngine([dist.OpenAIEngine(u, spec, wl) for u in urls])
-    one = dist.collect(dist.OpenAIEngine(urls[0], spec, wl), range(1, 301))
-    got = dist.collect(fleet, range(1, 301))
+    wl = distribution.make_workload(spec)
+    fleet = distribution.FleetEngine([distribution.OpenAIEngine(u, spec, wl) for u in urls])
+    one = distribution.collect(distribution.OpenAIEngine(urls[0], spec, wl), range(1, 301))
+    got = distribution.collect(fleet, range(1, 301))
     assert [s.seed for s in got] == list(range(1, 301))
     assert [s.text for s in got] == [s.text for s in one]
     assert all(n > 50 for n in fleet.served), fleet.served  # both servers answered
     # the same through the native engine (--engine url, repeatable --url)
-    res_url = dist.run(["url"], fixture=fixture_set, url=urls, seeds=400)
+    res_url = distribution.run(["url"], fixture=fixture_set, url=urls, seeds=400)
     assert res_url.engines[0].n_samples == 400
     assert res_url.engines[0].verdict is e.verdict
 
@@ -84,7 +84,7 @@ def test_openai_refuses_a_server_that_is_not_the_fixture(
         draft_noise_scale=0.0,
         prompt="tuvtu",
     )
-    wl = dist.make_workload(other)
-    eng = dist.OpenAIEngine(server("fixture-plain").url, other, wl)
-    with pytest.raises(dist.DistError, match="HTTP 400|not fixture letters"):
-        dist.collect(eng, range(1, 3))
+    wl = distribution.make_workload(other)
+    eng = distribution.OpenAIEngine(server("fixture-plain").url, other, wl)
+    with pytest.raises(distribution.DistError, match="HTTP 400|not fixture letters"):
+        distribution.collect(eng, range(1, 3))

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from specaudit import dist, fixtures
-from specaudit.dist import hf
+from specaudit import distribution, fixtures
+from specaudit.distribution import hf
 from specaudit.stats import Verdict
 
 # 3 tokens, positions 1-2 and their joint, tolerance 0.2: decided in a few hundred samples
@@ -21,7 +21,7 @@ SMALL = dict(tokens=3, positions=2, joint=2, sequential=True, tolerance=0.2)
 
 @pytest.fixture(scope="module")
 def context_fixture() -> fixtures.FixtureSet:
-    return dist.load_fixture(None, kind="context")
+    return distribution.load_fixture(None, kind="context")
 
 
 @pytest.mark.parametrize("kind", ["last-token", "context"])
@@ -29,7 +29,7 @@ def test_every_generator_keeps_the_distribution(
     kind: str, fixture_set: fixtures.FixtureSet, context_fixture: fixtures.FixtureSet
 ) -> None:
     fs = fixture_set if kind == "last-token" else context_fixture
-    res = dist.run(["transformers"], fixture=fs, seeds=600, **SMALL)  # type: ignore[arg-type]
+    res = distribution.run(["transformers"], fixture=fs, seeds=600, **SMALL)  # type: ignore[arg-type]
     assert [e.kind for e in res.engines] == [f"transformers-{g}" for g in hf.GENERATORS]
     for e in res.engines:
         assert e.verdict is Verdict.WITHIN_TOLERANCE, (e.engine, e.reason)
@@ -46,7 +46,7 @@ def test_truth_check_both_orders(fixture_set: fixtures.FixtureSet) -> None:
     llama.cpp's; the engine passes the warpers in llama.cpp's order, which matches to 1e-5,
     and the native order measurably does not."""
     sampler = fixtures.SamplerSettings(top_k=0, top_p=0.8, min_p=0.05, temperature=0.6)
-    wl = dist.make_workload(fixture_set.spec, tokens=3, sampler=sampler)
+    wl = distribution.make_workload(fixture_set.spec, tokens=3, sampler=sampler)
     models = hf.Models(fixture_set)
     tc = hf.check_truth(models, wl)
     assert tc.contexts > 1 and tc.max_raw < 1e-5 and tc.max_sampled < 1e-5
@@ -71,17 +71,19 @@ def test_a_wrong_sampler_mapping_is_broken(fixture_set: fixtures.FixtureSet) -> 
     """Negative control: sampling with transformers' native order where it differs from the
     closed form's must come out BROKEN (the test has power on this engine)."""
     sampler = fixtures.SamplerSettings(top_k=0, top_p=0.8, min_p=0.05, temperature=0.6)
-    wl = dist.make_workload(fixture_set.spec, tokens=3, positions=2, joint=2, sampler=sampler)
+    wl = distribution.make_workload(
+        fixture_set.spec, tokens=3, positions=2, joint=2, sampler=sampler
+    )
     models = hf.Models(fixture_set)
     eng = hf.TransformersEngine(models, wl, "assistant")
     kw = {k: v for k, v in eng._kw.items() if k != "logits_processor"}
     eng._kw = kw | {"temperature": 0.6, "top_k": 0, "top_p": 0.8, "min_p": 0.05}
-    res = dist.measure(eng, fixture_set.spec, wl, range(1, 601), sequential=True)
+    res = distribution.measure(eng, fixture_set.spec, wl, range(1, 601), sequential=True)
     assert res.verdict is Verdict.BROKEN, res.reason
 
 
 def test_generator_counts_and_seeds_are_reproducible(fixture_set: fixtures.FixtureSet) -> None:
-    wl = dist.make_workload(fixture_set.spec, tokens=4)
+    wl = distribution.make_workload(fixture_set.spec, tokens=4)
     engines, _ = hf.engines(fixture_set, wl, ("assistant",))
     (eng,) = engines
     a = [asyncio.run(eng.sample(s)).text for s in range(1, 21)]

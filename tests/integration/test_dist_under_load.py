@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
@@ -58,7 +58,7 @@ def _dist(cli: CliFn, fs: fixtures.FixtureSet, *args: str) -> tuple[int, dict[st
     return code, (json.loads(out) if out.strip() else {}), err
 
 
-class _CountingRuns(dist.ExampleEngine):
+class _CountingRuns(distribution.ExampleEngine):
     """The stock engine, counting the llama-speculative processes it starts per seed."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
@@ -76,9 +76,9 @@ def test_every_example_run_under_load_is_read_the_first_time(
     """Nothing lost, so nothing repeated: one process per seed, each one's text and statistics
     read (most of these runs lost all of it before the exit flush)."""
     fs = fixture_set
-    wl = dist.make_workload(fs.spec)
+    wl = distribution.make_workload(fs.spec)
     eng = _CountingRuns(llama_bins.speculative, fs.target, fs.draft, fs.spec, wl)
-    res = dist.measure(eng, fs.spec, wl, range(1, int(SEEDS) + 1))
+    res = distribution.measure(eng, fs.spec, wl, range(1, int(SEEDS) + 1))
     _still_busy(cpu_hog)
     assert res.verdict is Verdict.BROKEN, res.reason
     assert res.n_samples == int(SEEDS)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
@@ -34,14 +34,14 @@ def ctx_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet
 
 @pytest.fixture(scope="module")
 def plain_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with dist.spawn_server(llama_bins, ctx_fixture, draft=False) as srv:
+    with distribution.spawn_server(llama_bins, ctx_fixture, draft=False) as srv:
         assert srv.argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
         yield srv.url
 
 
 @pytest.fixture(scope="module")
 def spec_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with dist.spawn_server(llama_bins, ctx_fixture, draft=True) as srv:
+    with distribution.spawn_server(llama_bins, ctx_fixture, draft=True) as srv:
         yield srv.url
 
 
@@ -54,7 +54,7 @@ def _probs(
         "n_probs": 11,
         "post_sampling_probs": post,
         "seed": seed,
-        "samplers": list(dist.SAMPLER_CHAIN),
+        "samplers": list(distribution.SAMPLER_CHAIN),
         **sampler.request_fields(),
     }
     r = httpx.post(f"{url}/completion", json=body, timeout=60)
@@ -120,10 +120,10 @@ def test_the_server_sees_the_context(plain_url: str, ctx_fixture: fixtures.Fixtu
     assert tv >= 0.2
 
 
-def _measure(url: str, fs: fixtures.FixtureSet, kind: str) -> dist.EngineResult:
-    wl = dist.make_workload(fs.spec)
-    eng = dist.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
-    return dist.measure(eng, fs.spec, wl, SEEDS)
+def _measure(url: str, fs: fixtures.FixtureSet, kind: str) -> distribution.EngineResult:
+    wl = distribution.make_workload(fs.spec)
+    eng = distribution.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
+    return distribution.measure(eng, fs.spec, wl, SEEDS)
 
 
 def test_plain_server_preserves(plain_url: str, ctx_fixture: fixtures.FixtureSet) -> None:
@@ -143,13 +143,13 @@ def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet)
 
 
 @pytest.mark.skipif(
-    "draft_sampling" not in inspect.signature(dist.spawn_server).parameters,
+    "draft_sampling" not in inspect.signature(distribution.spawn_server).parameters,
     reason="dist.spawn_server has no draft_sampling keyword",
 )
 def test_probabilistic_draft_server_preserves(
     llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet
 ) -> None:
-    spawn = dist.spawn_server
+    spawn = distribution.spawn_server
     with spawn(llama_bins, ctx_fixture, draft=True, draft_sampling="probabilistic") as srv:
         res = _measure(srv.url, ctx_fixture, "server-spec-probabilistic")
     print(res.reason, res.drafted, res.accepted)
@@ -162,7 +162,7 @@ def test_run_with_fixture_kind_context(
 ) -> None:
     """`dist.run(fixture_kind="context")` builds the context fixture itself and tests with it."""
     work = tmp_path_factory.mktemp("dist-run-context")
-    res = dist.run(
+    res = distribution.run(
         ["url"], url=plain_url, fixture_kind="context", seeds=300, tolerance=0.3, work_dir=work
     )
     assert res.fixture == fixtures.context_spec().name

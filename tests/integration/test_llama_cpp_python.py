@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specaudit import check, dist, fixtures
+from specaudit import check, distribution, fixtures
 from specaudit import llama_cpp_python as lcp
 from specaudit.outcome import Outcome
 from specaudit.stats import Verdict
@@ -35,7 +35,7 @@ def test_server_is_the_pinned_build(lcp_server: lcp.LlamaCppPythonServer) -> Non
 def test_dist_openai_on_llama_cpp_python(
     lcp_server: lcp.LlamaCppPythonServer, fixture_set: fixtures.FixtureSet
 ) -> None:
-    res = dist.run(["openai"], fixture=fixture_set, url=lcp_server.url, seeds=1000)
+    res = distribution.run(["openai"], fixture=fixture_set, url=lcp_server.url, seeds=1000)
     (e,) = res.engines
     assert e.verdict is Verdict.PRESERVED, e.reason
     assert e.drafted is None  # it does not say what it drafted
@@ -45,12 +45,12 @@ def test_dist_openai_on_llama_cpp_python_context_fixture(
     tmp_path: Path,
 ) -> None:
     # the context fixture: a stale KV-cache entry after a rejected draft would show here
-    cfs = dist.load_fixture(None, kind="context")
+    cfs = distribution.load_fixture(None, kind="context")
     srv = lcp.LlamaCppPythonServer(
         Path(cfs.target), log_path=tmp_path / "lcp-context.log", f32_cache=True
     )
     with srv:
-        res = dist.run(["openai"], fixture=cfs, url=srv.url, seeds=1000)
+        res = distribution.run(["openai"], fixture=cfs, url=srv.url, seeds=1000)
     (e,) = res.engines
     assert e.verdict is Verdict.PRESERVED, e.reason
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from specaudit import dist, fixtures, llama
+from specaudit import distribution, fixtures, llama
 from specaudit.llama import build
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
@@ -36,19 +36,23 @@ def _spec_server(
     *,
     draft_sampling: str = "probabilistic",
     sequential: bool = False,
-    alpha: float = dist.DEFAULT_ALPHA,
-) -> dist.EngineResult:
-    wl = dist.make_workload(fs.spec)
-    with dist.spawn_server(bins, fs, draft=True, draft_sampling=draft_sampling) as srv:
-        eng = dist.ServerEngine(srv.url, fs.spec, wl, label=bins.variant, kind="server-spec")
-        return dist.measure(eng, fs.spec, wl, seeds, alpha=alpha, sequential=sequential)
+    alpha: float = distribution.DEFAULT_ALPHA,
+) -> distribution.EngineResult:
+    wl = distribution.make_workload(fs.spec)
+    with distribution.spawn_server(bins, fs, draft=True, draft_sampling=draft_sampling) as srv:
+        eng = distribution.ServerEngine(
+            srv.url, fs.spec, wl, label=bins.variant, kind="server-spec"
+        )
+        return distribution.measure(eng, fs.spec, wl, seeds, alpha=alpha, sequential=sequential)
 
 
 def _texts(bins: LlamaBinaries, fs: fixtures.FixtureSet, seeds: range, sampling: str) -> list[str]:
-    wl = dist.make_workload(fs.spec)
-    with dist.spawn_server(bins, fs, draft=True, draft_sampling=sampling) as srv:
-        eng = dist.ServerEngine(srv.url, fs.spec, wl, label=bins.variant, kind="server-spec")
-        return [s.text for s in dist.collect(eng, seeds)]
+    wl = distribution.make_workload(fs.spec)
+    with distribution.spawn_server(bins, fs, draft=True, draft_sampling=sampling) as srv:
+        eng = distribution.ServerEngine(
+            srv.url, fs.spec, wl, label=bins.variant, kind="server-spec"
+        )
+        return [s.text for s in distribution.collect(eng, seeds)]
 
 
 def test_every_bundled_mutant_applies_to_pristine_b11434(llama_bins: LlamaBinaries) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specaudit import ab, check, dist
+from specaudit import ab, check, distribution
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import patched
 from specaudit.stats import Verdict
@@ -68,11 +68,11 @@ def test_dist_on_the_patched_server_is_still_preserved(
     server: Callable[[str], object], fixture_set
 ) -> None:  # type: ignore[no-untyped-def]
     spec = fixture_set.spec
-    wl = dist.make_workload(spec)
-    eng = dist.ServerEngine(
+    wl = distribution.make_workload(spec)
+    eng = distribution.ServerEngine(
         _url(server, "fixture-spec-patched"), spec, wl, label="patched", kind="server-spec"
     )
-    res = dist.measure(eng, spec, wl, list(range(1, 1001)))
+    res = distribution.measure(eng, spec, wl, list(range(1, 1001)))
     assert res.verdict is Verdict.PRESERVED
     # preserved *while speculating*: every sample went through drafting and verification
     assert (res.drafted or 0) > 0 and (res.accepted or 0) > 0

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from specaudit import dist, fixtures, llama
+from specaudit import distribution, fixtures, llama
 from specaudit.cli import common, dist_cmd
-from specaudit.dist import runner
+from specaudit.distribution import runner
 from specaudit.llama import presets
 from specaudit.llama.server import LlamaServer
 
@@ -36,13 +36,13 @@ def _one_error(err: str) -> str:
 
 def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
-    assert dist.PATHS == presets.PATHS == ("plain", "greedy", "rejection", "ngram")
-    assert set(dist.PATH_ENGINES) == set(dist.PATHS) == set(dist.PATH_HELP)
+    assert distribution.PATHS == presets.PATHS == ("plain", "greedy", "rejection", "ngram")
+    assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
 
 def test_every_path_has_a_role_on_both_fixtures() -> None:
     for model in ("fixture", "fixture-context"):
-        for path in dist.PATHS:
+        for path in distribution.PATHS:
             role = presets.fixture_role(model, path)
             p = presets.PRESETS[role]
             assert p.model == model and presets.path_of(p) == path, role
@@ -67,7 +67,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     assert "--path [plain|greedy|rejection|ngram]" in out
     assert "--fixture-kind [last-token|context]" in out
     assert "Verification paths" in out and "Not covered" in out
-    for p in dist.PATHS:
+    for p in distribution.PATHS:
         assert f"  {p} " in out
     for name in ("mtp", "replay", "synthetic", "eagle3"):
         assert name in out
@@ -131,11 +131,11 @@ def test_cli_passes_paths_and_fixture_kind_to_dist_run(
 
     def fake_run(engines: Any, **kw: Any) -> None:
         seen.update(kw, engines=engines)
-        raise dist.DistError("stop here")
+        raise distribution.DistError("stop here")
 
     fake_bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
     monkeypatch.setattr(dist_cmd, "ensure_binaries", lambda **k: fake_bins)
-    monkeypatch.setattr(dist, "run", fake_run)
+    monkeypatch.setattr(distribution, "run", fake_run)
     code, _, err = cli(
         "dist", "--engine", "server", "--fixture-kind", "context",
         "--path", "greedy", "--path", "ngram", "--seeds", "5",
@@ -195,8 +195,8 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     started = _fake_servers(monkeypatch)
     measured = _fake_measure(monkeypatch)
     bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
-    assert [e.path for e in res.engines] == list(dist.PATHS)
+    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
+    assert [e.path for e in res.engines] == list(distribution.PATHS)
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
     ]  # fmt: skip
@@ -220,10 +220,10 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
     _fake_servers(monkeypatch)
     _fake_measure(monkeypatch)
     bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, paths=("ngram",))
+    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, paths=("ngram",))
     assert [e.path for e in res.engines] == ["ngram"]
     greedy = fixtures.SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=0.0)
-    res = dist.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy)
+    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy)
     assert [e.path for e in res.engines] == ["plain", "greedy", "ngram"]
     assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
 
@@ -239,8 +239,8 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
 )
 def test_run_checks_paths(kw: dict[str, Any], match: str, tmp_path: Path) -> None:
     engines = kw.pop("engines", ("server",))
-    with pytest.raises(dist.DistError, match=match):
-        dist.run(engines, work_dir=tmp_path, seeds=5, **kw)
+    with pytest.raises(distribution.DistError, match=match):
+        distribution.run(engines, work_dir=tmp_path, seeds=5, **kw)
 
 
 def test_spawn_server_path_and_legacy_keywords(
@@ -249,19 +249,22 @@ def test_spawn_server_path_and_legacy_keywords(
     started = _fake_servers(monkeypatch)
     fs = runner.load_fixture(None, tmp_path, "context")
     bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    with dist.spawn_server(bins, fs, path="ngram"):
+    with distribution.spawn_server(bins, fs, path="ngram"):
         pass
-    with dist.spawn_server(bins, fs, draft=True, draft_sampling="probabilistic"):
+    with distribution.spawn_server(bins, fs, draft=True, draft_sampling="probabilistic"):
         pass
     (n1, a1), (n2, a2) = started
     assert n1 == "dist-ngram" and "-ctk" in a1  # the context fixture's policy
     assert n2 == "dist-spec-probabilistic" and "--spec-draft-sampling" in a2
     with (
-        pytest.raises(dist.DistError, match="not both"),
-        dist.spawn_server(bins, fs, path="greedy", draft=True),
+        pytest.raises(distribution.DistError, match="not both"),
+        distribution.spawn_server(bins, fs, path="greedy", draft=True),
     ):
         pass
-    with pytest.raises(dist.DistError, match="needs path"), dist.spawn_server(bins, fs):
+    with (
+        pytest.raises(distribution.DistError, match="needs path"),
+        distribution.spawn_server(bins, fs),
+    ):
         pass
 
 
@@ -270,9 +273,9 @@ def test_rejected_and_the_paths_table() -> None:
         engine="x", path="greedy", verdict=SimpleNamespace(value="PRESERVED"), n_samples=10,
         drafted=7, accepted=3,
     )  # fmt: skip
-    assert dist.rejected(e) == 4  # type: ignore[arg-type]
+    assert distribution.rejected(e) == 4  # type: ignore[arg-type]
     res = SimpleNamespace(engines=[e], not_covered=[("mtp", "needs MTP heads")])
-    md = dist.paths_markdown(res)  # type: ignore[arg-type]
+    md = distribution.paths_markdown(res)  # type: ignore[arg-type]
     assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 |" in md
     assert "- `mtp`: needs MTP heads" in md
 
@@ -284,8 +287,8 @@ def test_the_terminal_view_has_one_summary_and_the_detail_lines(
     bound); one summary table carrying path and drafted/accepted/rejected, no second paths
     table."""
     spec = fixtures.default_spec()
-    wl = dist.make_workload(spec)
-    truth = dist.Truth(spec, wl)
+    wl = distribution.make_workload(spec)
+    truth = distribution.Truth(spec, wl)
     rng = np.random.default_rng(3)
     samples = []
     for seed in range(1, 401):
@@ -293,10 +296,10 @@ def test_the_terminal_view_has_one_summary_and_the_detail_lines(
         for _ in range(wl.tokens):
             p = truth.next(text)
             text += truth.labels[int(rng.choice(len(p), p=p))]
-        samples.append(dist.Sample(seed, text, drafted=3, accepted=2))
-    e = dist.analyze(spec, wl, samples, engine="spec")
+        samples.append(distribution.Sample(seed, text, drafted=3, accepted=2))
+    e = distribution.analyze(spec, wl, samples, engine="spec")
     e.path = "rejection"
-    res = dist.DistResult("fixture", tmp_path, {}, wl, 0.01, 0.15, False, [e])
+    res = distribution.DistResult("fixture", tmp_path, {}, wl, 0.01, 0.15, False, [e])
     buf = io.StringIO()
     monkeypatch.setattr(dist_cmd, "out", Console(file=buf, force_terminal=True, width=200))
     dist_cmd.render(res)

@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from fakes import Served, serve, serve_tcp
-from specaudit import ab, check, dist, fixtures, paths
+from specaudit import ab, check, distribution, fixtures, paths
 from specaudit.cli import COMMANDS, crash
 from specaudit.errors import SpecauditError
 from specaudit.llama import free_port
@@ -36,7 +36,7 @@ from specaudit.outcome import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_DECISION
 
 CliFn = Callable[..., tuple[int, str, str]]
 SPEC = fixtures.default_spec()
-WL = dist.make_workload(SPEC, tokens=3)
+WL = distribution.make_workload(SPEC, tokens=3)
 PROC = "/proc/foo"  # cannot be created, even by root
 BAD_URL = "http://[::1"
 
@@ -246,8 +246,8 @@ def test_d4_library_calls_reject_the_url_in_one_line(cache: Path) -> None:
         check.run(BAD_URL)
     with pytest.raises(ab.ABError, match=r"--plain: 'http://\[::1' is not an http\(s\) URL"):
         ab.run(BAD_URL, "http://127.0.0.1:9")
-    with pytest.raises(dist.DistError, match=r"--url"):
-        dist.validate(["url"], url=BAD_URL)
+    with pytest.raises(distribution.DistError, match=r"--url"):
+        distribution.validate(["url"], url=BAD_URL)
 
 
 # ---------------------------------------------------------------- D5: timeouts
@@ -301,8 +301,8 @@ def test_d6_library_temperature_checks_agree(t: float) -> None:
         check.run("http://127.0.0.1:9", temperature=t)
     with pytest.raises(ab.ABError, match="--temperature"):
         ab.Settings(temperature=t)
-    with pytest.raises(dist.DistError, match="--temperature"):
-        dist.make_workload(SPEC, sampler=fixtures.SamplerSettings(temperature=t))
+    with pytest.raises(distribution.DistError, match="--temperature"):
+        distribution.make_workload(SPEC, sampler=fixtures.SamplerSettings(temperature=t))
 
 
 # ------------------------------------------------------------ D7: text that is not UTF-8
@@ -374,8 +374,8 @@ def test_d8_library_calls_check_the_plot_before_sampling(
     rec, srv = recorder
     with pytest.raises(ab.ABError, match="--plot"):
         ab.run(srv.url, srv.url, ab.Settings(seeds=2, tokens=4), plot=f"{PROC}/x.png")
-    with pytest.raises(dist.DistError, match="--plot"):
-        dist.run(["url"], url=srv.url, seeds=30, plot=Path(f"{PROC}/x.png"))
+    with pytest.raises(distribution.DistError, match="--plot"):
+        distribution.run(["url"], url=srv.url, seeds=30, plot=Path(f"{PROC}/x.png"))
     assert rec.hits == []
 
 
@@ -447,17 +447,17 @@ class _ClosedForm:
     kind = "url"
     concurrency = 8
 
-    def __init__(self, wl: dist.Workload) -> None:
-        self.truth = dist.Truth(SPEC, wl)
+    def __init__(self, wl: distribution.Workload) -> None:
+        self.truth = distribution.Truth(SPEC, wl)
         self.tokens = wl.tokens
 
-    async def sample(self, seed: int) -> dist.Sample:
+    async def sample(self, seed: int) -> distribution.Sample:
         rng = np.random.default_rng(seed)
         text = ""
         for _ in range(self.tokens):
             p = self.truth.next(text)
             text += self.truth.labels[int(rng.choice(len(p), p=p))]
-        return dist.Sample(seed, text, 1, 1)
+        return distribution.Sample(seed, text, 1, 1)
 
     async def aclose(self) -> None:
         pass
@@ -466,13 +466,13 @@ class _ClosedForm:
 class _Watched(_ClosedForm):
     """Records the memory in use when it is asked for given seeds (while sampling)."""
 
-    def __init__(self, wl: dist.Workload, at: tuple[int, ...]) -> None:
+    def __init__(self, wl: distribution.Workload, at: tuple[int, ...]) -> None:
         super().__init__(wl)
         self.concurrency = 1  # seed n is sampled after seeds < n were consumed
         self.at = at
         self.used: dict[int, int] = {}
 
-    async def sample(self, seed: int) -> dist.Sample:
+    async def sample(self, seed: int) -> distribution.Sample:
         if seed in self.at:
             self.used[seed] = tracemalloc.get_traced_memory()[0]
         return await super().sample(seed)
@@ -485,7 +485,7 @@ def test_d10_memory_does_not_grow_while_sampling(sequential: bool) -> None:
     tracemalloc.start()
     try:
         # tolerance ~0: sequential mode never stops early, it consumes every sample
-        dist.measure(eng, SPEC, WL, range(1, 3_001), sequential=sequential, tolerance=1e-9)
+        distribution.measure(eng, SPEC, WL, range(1, 3_001), sequential=sequential, tolerance=1e-9)
     finally:
         tracemalloc.stop()
     growth = eng.used[3_000] - eng.used[1_000]
@@ -496,7 +496,7 @@ def test_d10_memory_does_not_grow_while_sampling(sequential: bool) -> None:
 def test_d10_run_never_materialises_the_seed_range(
     monkeypatch: pytest.MonkeyPatch, cache: Path
 ) -> None:
-    from specaudit.dist import runner
+    from specaudit.distribution import runner
 
     seen: list[Any] = []
 
@@ -511,23 +511,23 @@ def test_d10_run_never_materialises_the_seed_range(
     monkeypatch.setattr(runner, "ServerEngine", Eng)
     monkeypatch.setattr(runner, "measure", fake_measure)
     with pytest.raises(SpecauditError, match="stop here"):
-        dist.run(["url"], url="http://127.0.0.1:9", seeds=1_000_000_000, sequential=True)
+        distribution.run(["url"], url="http://127.0.0.1:9", seeds=1_000_000_000, sequential=True)
     assert seen == [range(1, 1_000_000_001)]
 
 
 def test_d10_the_tally_gives_the_same_result_as_the_samples() -> None:
-    wl = dist.make_workload(SPEC)
+    wl = distribution.make_workload(SPEC)
     eng = _ClosedForm(wl)
 
-    async def draw(n: int) -> list[dist.Sample]:
+    async def draw(n: int) -> list[distribution.Sample]:
         return [await eng.sample(s) for s in range(1, n + 1)]
 
     samples = asyncio.run(draw(400))
-    samples.insert(7, dist.Sample(999, "aaaa"))  # impossible tokens too
-    from_list = dist.analyze(SPEC, wl, samples)
-    tally = dist.Tally.of(samples, wl)
+    samples.insert(7, distribution.Sample(999, "aaaa"))  # impossible tokens too
+    from_list = distribution.analyze(SPEC, wl, samples)
+    tally = distribution.Tally.of(samples, wl)
     assert len(tally.texts) <= len(SPEC.letters) ** wl.positions
-    assert dist.analyze(SPEC, wl, tally) == from_list
+    assert distribution.analyze(SPEC, wl, tally) == from_list
     assert (from_list.n_samples, from_list.first_seed, from_list.last_seed) == (401, 1, 999)
     assert from_list.drafted == 400
 
@@ -538,7 +538,7 @@ def _limit_memory() -> None:
 
 
 def _impossible_first_letter() -> str:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     p = truth.next("")
     return next(ch for ch in SPEC.letters if p[truth.index[ch]] == 0)
 
@@ -565,8 +565,8 @@ def test_d10_a_billion_sequential_seeds_run_in_bounded_memory(tmp_path: Path) ->
 def test_d10_seeds_past_the_uint32_seed_range_are_rejected(cli: CliFn, cache: Path) -> None:
     line = one_error_line(cli("dist", "--engine", "url", "--url", "http://h", "--seeds", "9" * 12))
     assert "--seeds" in line
-    with pytest.raises(dist.DistError, match="uint32"):
-        dist.validate(["url"], url="http://h", seeds=2**32 - 10, seed_start=100)
+    with pytest.raises(distribution.DistError, match="uint32"):
+        distribution.validate(["url"], url="http://h", seeds=2**32 - 10, seed_start=100)
 
 
 def test_ab_seeds_are_capped_where_memory_grows_with_them(cli: CliFn) -> None:

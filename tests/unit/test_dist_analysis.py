@@ -10,19 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 from specaudit.outcome import Outcome
 from specaudit.stats import Verdict
 
 DATA = Path(__file__).parent.parent / "data" / "dist"
 CliFn = Callable[..., tuple[int, str, str]]
 SPEC = fixtures.default_spec()
-WL = dist.make_workload(SPEC)
+WL = distribution.make_workload(SPEC)
 
 
-def draw(spec: fixtures.FixtureSpec, wl: dist.Workload, n: int, seed: int, bend=None):  # type: ignore[no-untyped-def]
+def draw(spec: fixtures.FixtureSpec, wl: distribution.Workload, n: int, seed: int, bend=None):  # type: ignore[no-untyped-def]
     """Samples drawn from the closed form itself (optionally bent by `bend(prefix, p)`)."""
-    truth = dist.Truth(spec, wl)
+    truth = distribution.Truth(spec, wl)
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -32,7 +32,7 @@ def draw(spec: fixtures.FixtureSpec, wl: dist.Workload, n: int, seed: int, bend=
             if bend is not None:
                 p = bend(text, p)
             text += truth.labels[int(rng.choice(len(p), p=p))]
-        out.append(dist.Sample(i + 1, text))
+        out.append(distribution.Sample(i + 1, text))
     return out
 
 
@@ -41,7 +41,7 @@ def draw(spec: fixtures.FixtureSpec, wl: dist.Workload, n: int, seed: int, bend=
 
 
 def test_truth_is_the_closed_form_of_the_report() -> None:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     after_f = dict(zip(truth.labels, truth.next("f"), strict=True))
     assert after_f["e"] == pytest.approx(0.345, abs=1e-6)
     assert after_f["g"] == pytest.approx(0.452, abs=1e-6)
@@ -51,7 +51,7 @@ def test_truth_is_the_closed_form_of_the_report() -> None:
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_marginals_agree_with_the_joint(t: int) -> None:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     joint = fixtures.sequence_distribution(SPEC, WL.prompt, t, WL.sampler)
     want = np.zeros(len(truth.labels))
     for seq, p in joint.items():
@@ -64,7 +64,7 @@ def test_marginals_agree_with_the_joint(t: int) -> None:
 
 
 def test_samples_from_the_target_are_preserved() -> None:
-    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="closed form")
+    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="closed form")
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert [t.name for t in res.tests] == [
         "position 1", "position 2", "position 3", "position 4", "joint 1-3", "draft direction",
@@ -75,7 +75,7 @@ def test_samples_from_the_target_are_preserved() -> None:
 
 
 def test_too_few_samples_are_inconclusive() -> None:
-    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2))
+    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2))
     assert res.verdict is Verdict.INCONCLUSIVE, res.reason
     assert "more samples" in res.reason
 
@@ -90,7 +90,7 @@ def _always_e_after_f(prefix: str, p: np.ndarray) -> np.ndarray:
 
 
 def test_the_example_programs_bias_is_broken() -> None:
-    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
     assert res.verdict is Verdict.BROKEN
     pos2 = res.tests[1]
     assert pos2.rejected and pos2.gof.p_value < 1e-30
@@ -101,31 +101,31 @@ def test_the_example_programs_bias_is_broken() -> None:
 def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
     samples = draw(SPEC, WL, 5, seed=4)
     # 'a' has probability 0 as the first token after bcdbc (top-k 3 keeps d, e, f)
-    samples[0] = dist.Sample(samples[0].seed, "a" + samples[0].text[1:])
-    res = dist.analyze(SPEC, WL, samples, alpha=1e-9)
+    samples[0] = distribution.Sample(samples[0].seed, "a" + samples[0].text[1:])
+    res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
     assert res.verdict is Verdict.BROKEN
     assert res.impossible == 1
     assert "probability 0" in res.reason
 
 
 def test_drafted_and_accepted_are_summed() -> None:
-    s = [dist.Sample(i, t.text, 3, 1) for i, t in enumerate(draw(SPEC, WL, 20, seed=5))]
-    res = dist.analyze(SPEC, WL, s)
+    s = [distribution.Sample(i, t.text, 3, 1) for i, t in enumerate(draw(SPEC, WL, 20, seed=5))]
+    res = distribution.analyze(SPEC, WL, s)
     assert (res.drafted, res.accepted) == (60, 20)
 
 
 def test_text_that_is_not_the_fixture_is_broken_with_evidence() -> None:
     # it used to be an error (exit 2); text the fixture cannot produce is an outcome of
     # probability 0: BROKEN, naming seed, position and token (tests/unit/test_dist_verdicts.py)
-    res = dist.analyze(SPEC, WL, [dist.Sample(1, "Hello")])
+    res = distribution.analyze(SPEC, WL, [distribution.Sample(1, "Hello")])
     assert res.verdict is Verdict.BROKEN and res.impossible == 1
     assert (res.evidence[0].seed, res.evidence[0].position, res.evidence[0].token) == (1, 1, "'H'")
     assert "is the engine running it" in res.reason
 
 
 def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None:
-    truth = dist.Truth(SPEC, WL)
-    seq = dist.Sequential(truth, WL, 1e-3, 0.15, 1000)
+    truth = distribution.Truth(SPEC, WL)
+    seq = distribution.Sequential(truth, WL, 1e-3, 0.15, 1000)
     n = 0
     for s in draw(SPEC, WL, 1000, seed=6, bend=_always_e_after_f):
         n += 1
@@ -133,7 +133,7 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
             break
     assert seq.verdict is Verdict.BROKEN and seq.decided_by in ("e-value", "fixed-look")
     assert n <= 50
-    seq = dist.Sequential(truth, WL, 0.01, 0.15, 3000)
+    seq = distribution.Sequential(truth, WL, 0.01, 0.15, 3000)
     for s in draw(SPEC, WL, 3000, seed=7):
         if seq.add(s):
             break
@@ -143,12 +143,12 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
 
 
 def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
-    good = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="good")
-    few = dist.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2), engine="few")
-    bad = dist.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+    good = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="good")
+    few = distribution.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2), engine="few")
+    bad = distribution.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
 
-    def result(*engines: dist.EngineResult) -> dist.DistResult:
-        return dist.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, False, list(engines))
+    def result(*engines: distribution.EngineResult) -> distribution.DistResult:
+        return distribution.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, False, list(engines))
 
     assert (result(good).outcome, result(good).exit_code) == (Outcome.OK, 0)
     assert (result(good, few).outcome, result(good, few).exit_code) == (Outcome.NO_DECISION, 2)
@@ -157,14 +157,16 @@ def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
 
 
 def test_markdown_and_plot(tmp_path: Path) -> None:
-    good = dist.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=8), engine="good")
-    bad = dist.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=9, bend=_always_e_after_f), engine="bad")
-    res = dist.DistResult(
+    good = distribution.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=8), engine="good")
+    bad = distribution.analyze(
+        SPEC, WL, draw(SPEC, WL, 400, seed=9, bend=_always_e_after_f), engine="bad"
+    )
+    res = distribution.DistResult(
         "x", tmp_path, {}, WL, 0.01, 0.15, False, [good, bad]
     )  # fmt: skip
-    md = dist.to_markdown(res)
+    md = distribution.to_markdown(res)
     assert "| good |" in md and "BROKEN" in md and "bcdbc+f" in md
-    png = dist.plot_results(res, tmp_path / "d.png")
+    png = distribution.plot_results(res, tmp_path / "d.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -175,17 +177,17 @@ def test_markdown_and_plot(tmp_path: Path) -> None:
 def test_parse_example_output_recorded() -> None:
     out = (DATA / "llama-speculative-seed9.stdout").read_text()
     err = (DATA / "llama-speculative-seed9.stderr").read_text()
-    assert dist.parse_example_output(out, err, "bcdbc") == ("fhabcf", 6, 3)
+    assert distribution.parse_example_output(out, err, "bcdbc") == ("fhabcf", 6, 3)
 
 
 def test_parse_example_output_detects_lost_tails() -> None:
     out = (DATA / "llama-speculative-seed9.stdout").read_text()
     err = (DATA / "llama-speculative-seed9.stderr").read_text()
     # llama.cpp's async logger can drop the tail at exit: any truncation is incomplete
-    assert dist.parse_example_output(out[:-1], err, "bcdbc") is None
-    assert dist.parse_example_output("\n\nbcdbcf", err, "bcdbc") is None
-    assert dist.parse_example_output(out, err.split("n_drafted")[0], "bcdbc") is None
-    assert dist.parse_example_output(out, err, "dcb") is None
+    assert distribution.parse_example_output(out[:-1], err, "bcdbc") is None
+    assert distribution.parse_example_output("\n\nbcdbcf", err, "bcdbc") is None
+    assert distribution.parse_example_output(out, err.split("n_drafted")[0], "bcdbc") is None
+    assert distribution.parse_example_output(out, err, "dcb") is None
 
 
 def test_spawn_server_sizes_the_fixture_server(
@@ -200,7 +202,7 @@ def test_spawn_server_sizes_the_fixture_server(
     fs = fixtures.build(tmp_path / "fx")
     bins = LlamaBinaries(tmp_path / "bin", 11434, "stock")
     for draft in (False, True):
-        with dist.spawn_server(bins, fs, draft=draft, parallel=3, log_dir=tmp_path) as srv:
+        with distribution.spawn_server(bins, fs, draft=draft, parallel=3, log_dir=tmp_path) as srv:
             argv = srv.argv()
             assert srv.name == ("dist-spec" if draft else "dist-plain")
             assert srv.log_path == tmp_path / f"{srv.name}.log"
@@ -216,13 +218,13 @@ def test_unreachable_url_is_a_dist_error() -> None:
     from specaudit.llama.server import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(dist.DistError, match=re.escape(f"cannot connect to {url}/slots")):
-        dist.ServerEngine(url, SPEC, WL)
+    with pytest.raises(distribution.DistError, match=re.escape(f"cannot connect to {url}/slots")):
+        distribution.ServerEngine(url, SPEC, WL)
 
 
 def test_example_engine_needs_its_binary(tmp_path: Path) -> None:
-    with pytest.raises(dist.DistError, match="not found"):
-        dist.ExampleEngine(tmp_path / "nope", tmp_path, tmp_path, SPEC, WL)
+    with pytest.raises(distribution.DistError, match="not found"):
+        distribution.ExampleEngine(tmp_path / "nope", tmp_path, tmp_path, SPEC, WL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,11 +239,11 @@ class _FailingEngine:
     def __init__(self) -> None:
         self.closed = False
 
-    async def sample(self, seed: int) -> dist.Sample:
+    async def sample(self, seed: int) -> distribution.Sample:
         await asyncio.sleep(0.001 * (seed % 3))
         if seed == 5:
-            raise dist.DistError("server went away")
-        return dist.Sample(seed, "fegh")
+            raise distribution.DistError("server went away")
+        return distribution.Sample(seed, "fegh")
 
     async def aclose(self) -> None:
         self.closed = True
@@ -249,8 +251,8 @@ class _FailingEngine:
 
 def test_engine_errors_propagate_and_close_the_engine() -> None:
     eng = _FailingEngine()
-    with pytest.raises(dist.DistError, match="went away"):
-        dist.measure(eng, SPEC, WL, range(1, 50))
+    with pytest.raises(distribution.DistError, match="went away"):
+        distribution.measure(eng, SPEC, WL, range(1, 50))
     assert eng.closed
 
 
@@ -272,31 +274,31 @@ def test_engine_errors_propagate_and_close_the_engine() -> None:
     ],
 )
 def test_bad_workloads(kw: dict, msg: str) -> None:  # type: ignore[type-arg]
-    with pytest.raises(dist.DistError, match=msg):
-        dist.make_workload(SPEC, **kw)
+    with pytest.raises(distribution.DistError, match=msg):
+        distribution.make_workload(SPEC, **kw)
 
 
 def test_bad_engines_and_numbers(tmp_path: Path) -> None:
     fs = fixtures.build(tmp_path / "fx")
-    with pytest.raises(dist.DistError, match="unknown engine"):
-        dist.validate(["vllm"], fixture=fs)
-    with pytest.raises(dist.DistError, match="needs --url"):
-        dist.validate(["url"], fixture=fs)
-    with pytest.raises(dist.DistError, match="--seeds"):
-        dist.validate(["server"], fixture=fs, seeds=0)
-    with pytest.raises(dist.DistError, match="--alpha"):
-        dist.validate(["server"], fixture=fs, alpha=0)
+    with pytest.raises(distribution.DistError, match="unknown engine"):
+        distribution.validate(["vllm"], fixture=fs)
+    with pytest.raises(distribution.DistError, match="needs --url"):
+        distribution.validate(["url"], fixture=fs)
+    with pytest.raises(distribution.DistError, match="--seeds"):
+        distribution.validate(["server"], fixture=fs, seeds=0)
+    with pytest.raises(distribution.DistError, match="--alpha"):
+        distribution.validate(["server"], fixture=fs, alpha=0)
 
 
 def test_missing_and_corrupt_fixtures(tmp_path: Path) -> None:
-    with pytest.raises(dist.DistError, match="missing"):
-        dist.load_fixture(tmp_path / "nothing")
+    with pytest.raises(distribution.DistError, match="missing"):
+        distribution.load_fixture(tmp_path / "nothing")
     fs = fixtures.build(tmp_path / "fx")
     data = bytearray(fs.target.read_bytes())
     data[-1] ^= 0xFF
     fs.target.write_bytes(bytes(data))
-    with pytest.raises(dist.DistError, match="SHA-256 mismatch"):
-        dist.load_fixture(fs.dir)
+    with pytest.raises(distribution.DistError, match="SHA-256 mismatch"):
+        distribution.load_fixture(fs.dir)
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path, cli: CliFn) -> None:
@@ -328,16 +330,16 @@ def test_cli_help_documents_exit_codes(cli: CliFn) -> None:
 
 
 def test_impossible_tokens_are_counted_once_each() -> None:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     samples = draw(SPEC, WL, 50, seed=10)
     text = "a"  # impossible first token, then a possible continuation
     while len(text) < 4:
         text += truth.labels[int(np.argmax(truth.next(text)))]
-    samples[0] = dist.Sample(1, text)
+    samples[0] = distribution.Sample(1, text)
     head = samples[1].text[:3]
     p = truth.next(head)
     bad = next(ch for ch in SPEC.letters if p[truth.index[ch]] == 0)
-    samples[1] = dist.Sample(2, head + bad)  # impossible fourth token
-    res = dist.analyze(SPEC, WL, samples)
+    samples[1] = distribution.Sample(2, head + bad)  # impossible fourth token
+    res = distribution.analyze(SPEC, WL, samples)
     assert res.impossible == 2
     assert res.verdict is Verdict.BROKEN

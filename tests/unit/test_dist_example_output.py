@@ -18,18 +18,18 @@ import pytest
 from aiohttp import web
 
 import fakes
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import dist as dist_section
 from specaudit.client import ClientError
-from specaudit.dist import logflush
+from specaudit.distribution import logflush
 from specaudit.errors import ServerError
 from specaudit.llama.build import LlamaBinaries
 from specaudit.outcome import Outcome
 
 DATA = Path(__file__).parent.parent / "data" / "dist"
 SPEC = fixtures.default_spec()
-WL = dist.make_workload(SPEC)
+WL = distribution.make_workload(SPEC)
 
 FAKE_EXAMPLE = r"""
 #include <stdio.h>
@@ -96,7 +96,7 @@ def test_the_exit_flush_prints_everything_queued_then_the_marker(fake_example: P
     assert r.stdout == "\n\nbcdbcfegh\n\n\n\n"
     assert r.stderr.splitlines()[-1] == logflush.MARKER
     assert logflush.problem(r.stderr) is None
-    assert dist.read_example_output(r.stdout, r.stderr, "bcdbc") == ("fegh", 6, 3)
+    assert distribution.read_example_output(r.stdout, r.stderr, "bcdbc") == ("fegh", 6, 3)
 
 
 def test_a_program_without_the_logger_symbols_says_so(tmp_path: Path) -> None:
@@ -126,26 +126,26 @@ def _recorded() -> tuple[str, str]:
 def test_a_drained_run_is_read() -> None:
     out, err = _recorded()
     err += f"\n{logflush.MARKER}\n"
-    assert dist.read_example_output(out, err, "bcdbc") == ("fhabcf", 6, 3)
+    assert distribution.read_example_output(out, err, "bcdbc") == ("fhabcf", 6, 3)
 
 
 def test_a_run_whose_logger_was_not_drained_is_an_error_not_a_retry() -> None:
     out, err = _recorded()  # recorded before the flush: complete, but nothing proves it
-    with pytest.raises(dist.DistError, match="logger was not flushed at exit"):
-        dist.read_example_output(out, err, "bcdbc")
+    with pytest.raises(distribution.DistError, match="logger was not flushed at exit"):
+        distribution.read_example_output(out, err, "bcdbc")
     # what a busy machine used to leave: the prompt only, two init lines
     lost_err = "\n".join(err.splitlines()[:2])
-    with pytest.raises(dist.DistError, match="logger was not flushed at exit"):
-        dist.read_example_output("\n\nbcdbc", lost_err, "bcdbc")
+    with pytest.raises(distribution.DistError, match="logger was not flushed at exit"):
+        distribution.read_example_output("\n\nbcdbc", lost_err, "bcdbc")
 
 
 def test_a_drained_run_without_text_or_statistics_says_what_is_missing() -> None:
     out, err = _recorded()
     marker = f"\n{logflush.MARKER}\n"
-    with pytest.raises(dist.DistError, match="n_drafted / n_accept"):
-        dist.read_example_output(out, err.split("n_drafted")[0] + marker, "bcdbc")
-    with pytest.raises(dist.DistError, match="lacks the prompt 'dcb'"):
-        dist.read_example_output(out, err + marker, "dcb")
+    with pytest.raises(distribution.DistError, match="n_drafted / n_accept"):
+        distribution.read_example_output(out, err.split("n_drafted")[0] + marker, "bcdbc")
+    with pytest.raises(distribution.DistError, match="lacks the prompt 'dcb'"):
+        distribution.read_example_output(out, err + marker, "dcb")
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,8 +155,10 @@ def test_a_drained_run_without_text_or_statistics_says_what_is_missing() -> None
 def test_example_engine_reads_every_run_of_a_logger_that_prints_nothing_before_exit(
     fake_example: Path, tmp_path: Path
 ) -> None:
-    eng = dist.ExampleEngine(fake_example, tmp_path / "t.gguf", tmp_path / "d.gguf", SPEC, WL)
-    samples = dist.collect(eng, range(1, 41))
+    eng = distribution.ExampleEngine(
+        fake_example, tmp_path / "t.gguf", tmp_path / "d.gguf", SPEC, WL
+    )
+    samples = distribution.collect(eng, range(1, 41))
     assert [s.text for s in samples] == ["fegh"] * 40
     assert {(s.drafted, s.accepted) for s in samples} == {(6, 3)}
 
@@ -169,9 +171,11 @@ def _script(path: Path, body: str) -> Path:
 
 def test_example_engine_errors_name_the_engine_and_seed_in_one_line(tmp_path: Path) -> None:
     failing = _script(tmp_path / "failing", "echo 'main: error: failed to load model' >&2; exit 1")
-    eng = dist.ExampleEngine(failing, tmp_path, tmp_path, SPEC, WL, label="llama-speculative [x]")
-    with pytest.raises(dist.DistError) as e:
-        dist.measure(eng, SPEC, WL, range(1, 5))
+    eng = distribution.ExampleEngine(
+        failing, tmp_path, tmp_path, SPEC, WL, label="llama-speculative [x]"
+    )
+    with pytest.raises(distribution.DistError) as e:
+        distribution.measure(eng, SPEC, WL, range(1, 5))
     line = str(e.value)
     assert "\n" not in line and line.count("llama-speculative [x]") == 1
     assert line.startswith("llama-speculative [x] (seed ")
@@ -180,9 +184,11 @@ def test_example_engine_errors_name_the_engine_and_seed_in_one_line(tmp_path: Pa
     # complete-looking output from a program whose logger was never drained (a shell exits
     # without running exit handlers): an error, never a sample
     other = _script(tmp_path / "other", "printf '\\n\\nbcdbcfegh\\n\\n\\n\\n'")
-    eng = dist.ExampleEngine(other, tmp_path, tmp_path, SPEC, WL)
-    with pytest.raises(dist.DistError, match=r"^llama-speculative \(seed 1\): its logger was not"):
-        dist.measure(eng, SPEC, WL, range(1, 2))
+    eng = distribution.ExampleEngine(other, tmp_path, tmp_path, SPEC, WL)
+    with pytest.raises(
+        distribution.DistError, match=r"^llama-speculative \(seed 1\): its logger was not"
+    ):
+        distribution.measure(eng, SPEC, WL, range(1, 2))
 
 
 class _NoServer:
@@ -190,7 +196,7 @@ class _NoServer:
     kind = "server-spec"
     concurrency = 1
 
-    async def sample(self, seed: int) -> dist.Sample:
+    async def sample(self, seed: int) -> distribution.Sample:
         raise ClientError("cannot connect to http://127.0.0.1:9/completion: refused")
 
     async def aclose(self) -> None:
@@ -198,8 +204,8 @@ class _NoServer:
 
 
 def test_any_engine_error_names_the_engine() -> None:
-    with pytest.raises(dist.DistError) as e:
-        dist.measure(_NoServer(), SPEC, WL, range(1, 3))
+    with pytest.raises(distribution.DistError) as e:
+        distribution.measure(_NoServer(), SPEC, WL, range(1, 3))
     assert str(e.value) == (
         "llama-server + draft, greedy: cannot connect to http://127.0.0.1:9/completion: refused"
     )

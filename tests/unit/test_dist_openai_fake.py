@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 import fakes
-from specaudit import dist, fixtures
+from specaudit import distribution, fixtures
 
 
 def _handler(models: Any, text: str = "fhag") -> fakes.Handler:
@@ -28,15 +28,15 @@ def _handler(models: Any, text: str = "fhag") -> fakes.Handler:
 
 
 SPEC = fixtures.default_spec()
-WL = dist.make_workload(SPEC)
+WL = distribution.make_workload(SPEC)
 FIXTURE_MODELS = {"data": [{"id": "/somewhere/target.gguf"}]}
 
 
 def test_body_sets_every_knob_and_neutral_penalties() -> None:
     h = _handler(FIXTURE_MODELS)
     with fakes.serve(h) as s:
-        eng = dist.OpenAIEngine(s.url, SPEC, WL)
-        (sample,) = dist.collect(eng, [7])
+        eng = distribution.OpenAIEngine(s.url, SPEC, WL)
+        (sample,) = distribution.collect(eng, [7])
     (body,) = h.seen  # type: ignore[attr-defined]
     assert sample.text == "fhag" and sample.drafted is None
     assert body["seed"] == 7 and body["model"] == "/somewhere/target.gguf"
@@ -47,7 +47,7 @@ def test_body_sets_every_knob_and_neutral_penalties() -> None:
 
 def test_alias_with_the_fixture_name_is_accepted() -> None:
     with fakes.serve(_handler({"data": [{"id": f"{SPEC.name}-alias"}]})) as s:
-        assert dist.fixture_model(s.url, SPEC) == f"{SPEC.name}-alias"
+        assert distribution.fixture_model(s.url, SPEC) == f"{SPEC.name}-alias"
 
 
 @pytest.mark.parametrize(
@@ -59,27 +59,29 @@ def test_alias_with_the_fixture_name_is_accepted() -> None:
     ],
 )
 def test_another_model_is_refused(models: Any, match: str) -> None:
-    with fakes.serve(_handler(models)) as s, pytest.raises(dist.DistError, match=match):
-        dist.OpenAIEngine(s.url, SPEC, WL)
+    with fakes.serve(_handler(models)) as s, pytest.raises(distribution.DistError, match=match):
+        distribution.OpenAIEngine(s.url, SPEC, WL)
 
 
 @pytest.mark.parametrize("text", ["fh g", "FHAG", "fhé"])
 def test_text_outside_the_letters_is_an_error(text: str) -> None:
     with fakes.serve(_handler(FIXTURE_MODELS, text)) as s:
-        eng = dist.OpenAIEngine(s.url, SPEC, WL)
-        with pytest.raises(dist.DistError, match="not fixture letters"):
-            dist.collect(eng, [1])
+        eng = distribution.OpenAIEngine(s.url, SPEC, WL)
+        with pytest.raises(distribution.DistError, match="not fixture letters"):
+            distribution.collect(eng, [1])
 
 
 def test_short_text_is_an_outcome_not_an_error() -> None:
     # a server that stopped early (EOS): outcomes of probability 0, judged BROKEN
     with fakes.serve(_handler(FIXTURE_MODELS, "fh")) as s:
-        res = dist.measure(dist.OpenAIEngine(s.url, SPEC, WL), SPEC, WL, range(1, 21))
+        res = distribution.measure(
+            distribution.OpenAIEngine(s.url, SPEC, WL), SPEC, WL, range(1, 21)
+        )
     assert res.verdict.value == "BROKEN"
 
 
 def test_url_and_openai_need_url_and_url_needs_them() -> None:
-    with pytest.raises(dist.DistError, match="--engine openai needs --url"):
-        dist.run(["openai"], fixture=dist.load_fixture(None), seeds=10)
-    with pytest.raises(dist.DistError, match="--url applies"):
-        dist.run(["server"], url=["http://127.0.0.1:1"], seeds=10)
+    with pytest.raises(distribution.DistError, match="--engine openai needs --url"):
+        distribution.run(["openai"], fixture=distribution.load_fixture(None), seeds=10)
+    with pytest.raises(distribution.DistError, match="--url applies"):
+        distribution.run(["server"], url=["http://127.0.0.1:1"], seeds=10)

@@ -22,30 +22,30 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from specaudit import dist, fixtures, stats
-from specaudit.dist import analysis
-from specaudit.dist.results import END, OTHER, SPECIAL_CODES
-from specaudit.dist.truth import encode_ids, encode_text, stratum_key
+from specaudit import distribution, fixtures, stats
+from specaudit.distribution import analysis
+from specaudit.distribution.results import END, OTHER, SPECIAL_CODES
+from specaudit.distribution.truth import encode_ids, encode_text, stratum_key
 from specaudit.outcome import Outcome
 from specaudit.stats import Verdict
 
 SPEC = fixtures.default_spec()
-WL = dist.make_workload(SPEC)
+WL = distribution.make_workload(SPEC)
 CTX = fixtures.context_spec()
-CWL = dist.make_workload(CTX)
+CWL = distribution.make_workload(CTX)
 Bend = Callable[[str, np.ndarray], np.ndarray]
 
 
 def draw(
     spec: fixtures.FixtureSpec,
-    wl: dist.Workload,
+    wl: distribution.Workload,
     n: int,
     rng: np.random.Generator,
     bend: Bend | None = None,
-) -> list[dist.Sample]:
+) -> list[distribution.Sample]:
     """n samples from the closed form (optionally bent by `bend(prefix, p)`), vectorised over
     the distinct prefixes: one uniform per sample and position, inverse cdf per prefix."""
-    truth = dist.Truth(spec, wl)
+    truth = distribution.Truth(spec, wl)
     texts = np.array([""] * n, dtype=object)
     for _ in range(wl.tokens):
         u = rng.random(n)
@@ -60,10 +60,10 @@ def draw(
             picks = np.searchsorted(cum, u[idx], side="right")
             out[idx] = [prefix + truth.labels[j] for j in picks]
         texts = out
-    return [dist.Sample(i + 1, str(t)) for i, t in enumerate(texts)]
+    return [distribution.Sample(i + 1, str(t)) for i, t in enumerate(texts)]
 
 
-def fraction(results: list[dist.EngineResult], v: Verdict) -> int:
+def fraction(results: list[distribution.EngineResult], v: Verdict) -> int:
     return sum(r.verdict is v for r in results)
 
 
@@ -104,7 +104,7 @@ def test_conditional_tv_bound_covers_the_prefix_averaged_tv() -> None:
 
 
 def test_preserved_names_what_it_certifies() -> None:
-    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)))
+    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)))
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert "prefix-averaged next-token TV" in res.reason and "joint TV" in res.reason
     positions = [t for t in res.tests if t.kind == "position"]
@@ -117,7 +117,7 @@ def test_preserved_names_what_it_certifies() -> None:
     assert res.samples_needed is None
 
 
-def _reroute(truth: dist.Truth) -> tuple[Bend, float]:
+def _reroute(truth: distribution.Truth) -> tuple[Bend, float]:
     """The review's counterexample: position 2's conditionals rerouted along the cycle
     d: a->e, f: e->g, e: g->a, the same mass each, so that TV after bcdbc+e is 0.16 and every
     marginal stays exact. Returns the bend and the true prefix-averaged TV at position 2."""
@@ -149,7 +149,7 @@ def test_the_marginal_preserving_reroute_is_not_certified_on_its_marginals(n: in
     names; it is never a statement about marginals. What is checked: no PRESERVED without a
     bound covering that TV and without saying "prefix-averaged", the tests catch the reroute
     more often than not at 800, and the per-context TV 0.16 is visible in the results."""
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     bend, d2 = _reroute(truth)
     assert d2 == pytest.approx(0.0332, abs=1e-3)
     marg = [truth.marginal(2), np.zeros(len(truth.labels))]
@@ -157,7 +157,7 @@ def test_the_marginal_preserving_reroute_is_not_certified_on_its_marginals(n: in
         marg[1] += truth.next("")[truth.index[prefix]] * bend(prefix, truth.next(prefix))
     assert np.allclose(marg[0], marg[1], atol=1e-12)
     rng = np.random.default_rng(n)
-    results = [dist.analyze(SPEC, WL, draw(SPEC, WL, n, rng, bend)) for _ in range(30)]
+    results = [distribution.analyze(SPEC, WL, draw(SPEC, WL, n, rng, bend)) for _ in range(30)]
     for r in results:
         pos2 = next(t for t in r.tests if t.name == "position 2")
         assert pos2.tv_bound is not None
@@ -172,7 +172,7 @@ def test_the_marginal_preserving_reroute_is_not_certified_on_its_marginals(n: in
 # the directed test toward the draft
 
 
-def _leak(truth: dist.Truth, lam: float) -> Bend:
+def _leak(truth: distribution.Truth, lam: float) -> Bend:
     """Draft leakage: p + lam (d~ - p), d~ the draft's distribution on the target's support."""
 
     def bend(prefix: str, p: np.ndarray) -> np.ndarray:
@@ -183,7 +183,7 @@ def _leak(truth: dist.Truth, lam: float) -> Bend:
 
 
 def test_the_draft_distribution_comes_from_the_fixture_definition() -> None:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     after_f = dict(zip(truth.labels, truth.draft_next("f"), strict=True))
     want = fixtures.conditional_distribution(SPEC, WL.prompt, "f", WL.sampler, "draft")
     assert after_f == pytest.approx(want)
@@ -193,11 +193,11 @@ def test_the_draft_distribution_comes_from_the_fixture_definition() -> None:
 
 @pytest.mark.parametrize(("spec", "wl"), [(SPEC, WL), (CTX, CWL)], ids=["last-token", "context"])
 def test_leakage_at_the_reported_minimum_is_detected(
-    spec: fixtures.FixtureSpec, wl: dist.Workload
+    spec: fixtures.FixtureSpec, wl: distribution.Workload
 ) -> None:
     n, alpha = 1000, 0.01
-    truth = dist.Truth(spec, wl)
-    null = dist.analyze(spec, wl, draw(spec, wl, n, np.random.default_rng(5)), alpha=alpha)
+    truth = distribution.Truth(spec, wl)
+    null = distribution.analyze(spec, wl, draw(spec, wl, n, np.random.default_rng(5)), alpha=alpha)
     power = null.directed
     assert power is not None and power.lambda_ is not None and power.tv is not None
     assert power.n == n and power.level == pytest.approx(alpha / len(null.tests))
@@ -206,17 +206,19 @@ def test_leakage_at_the_reported_minimum_is_detected(
     assert max(dd.tv(power.lambda_)) == pytest.approx(power.tv)
     rng = np.random.default_rng(6)
     bend = _leak(truth, power.lambda_)
-    results = [dist.analyze(spec, wl, draw(spec, wl, n, rng, bend), alpha=alpha) for _ in range(40)]
+    results = [
+        distribution.analyze(spec, wl, draw(spec, wl, n, rng, bend), alpha=alpha) for _ in range(40)
+    ]
     assert fraction(results, Verdict.BROKEN) >= 28  # 70 % of 40; the computed power is 80 %
     directed = [next(t for t in r.tests if t.kind == "directed") for r in results]
     assert sum(t.rejected for t in directed) >= 24
-    assert "power from TV" in dist.to_markdown(
-        dist.DistResult("x", Path("."), {}, wl, alpha, 0.15, False, [null])
+    assert "power from TV" in distribution.to_markdown(
+        distribution.DistResult("x", Path("."), {}, wl, alpha, 0.15, False, [null])
     )
 
 
 def test_the_score_statistic_is_calibrated_and_its_methods_agree() -> None:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     dd = analysis.draft_direction(truth)
     assert dd.paths is not None
     vals, probs = dd.paths
@@ -242,21 +244,21 @@ def test_the_score_statistic_is_calibrated_and_its_methods_agree() -> None:
 # tokens of probability 0: BROKEN with the evidence
 
 
-def _with(samples: list[dist.Sample], i: int, text: str) -> list[dist.Sample]:
+def _with(samples: list[distribution.Sample], i: int, text: str) -> list[distribution.Sample]:
     out = list(samples)
-    out[i] = dist.Sample(out[i].seed, text)
+    out[i] = distribution.Sample(out[i].seed, text)
     return out
 
 
 def _forbidden_letter(prefix: str) -> str:
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     p = truth.next(prefix)
     return next(ch for ch in SPEC.letters if p[truth.index[ch]] == 0)
 
 
 def _likely(prefix: str, tokens: int = 4) -> str:
     """`prefix` continued by the target's most likely letters (all possible)."""
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     while len(prefix) < tokens:
         prefix += truth.labels[int(np.argmax(truth.next(prefix)))]
     return prefix
@@ -278,7 +280,7 @@ def test_a_token_of_probability_zero_is_broken_with_evidence(
     text: str, position: int, token: str
 ) -> None:
     samples = _with(draw(SPEC, WL, 200, np.random.default_rng(8)), 16, text)
-    res = dist.analyze(SPEC, WL, samples, alpha=1e-9)
+    res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
     assert res.verdict is Verdict.BROKEN and res.impossible == 1
     pos = next(t for t in res.tests if t.position == position and t.kind == "position")
     assert pos.gof.p_value == 0.0 and pos.gof.method == "impossible"
@@ -290,7 +292,9 @@ def test_a_token_of_probability_zero_is_broken_with_evidence(
         token,
     )
     assert "seed 17" in res.reason and "p = 0" in res.reason
-    md = dist.to_markdown(dist.DistResult("x", Path("."), {}, WL, 1e-9, 0.15, False, [res]))
+    md = distribution.to_markdown(
+        distribution.DistResult("x", Path("."), {}, WL, 1e-9, 0.15, False, [res])
+    )
     assert "Tokens with probability 0: seed 17" in md
 
 
@@ -320,9 +324,9 @@ class _ScriptedEngine:
         self.script = script
         self.base = {s.seed: s.text for s in draw(SPEC, WL, n, np.random.default_rng(9))}
 
-    async def sample(self, seed: int) -> dist.Sample:
+    async def sample(self, seed: int) -> distribution.Sample:
         await asyncio.sleep(0)
-        return dist.Sample(seed, self.script.get(seed, self.base[seed]))
+        return distribution.Sample(seed, self.script.get(seed, self.base[seed]))
 
     async def aclose(self) -> None:
         return None
@@ -330,19 +334,19 @@ class _ScriptedEngine:
 
 def test_the_driver_keeps_forbidden_samples_fixed_and_sequential() -> None:
     eng = _ScriptedEngine({30: "fe", 31: "fe</s>"}, 300)
-    res = dist.measure(eng, SPEC, WL, range(1, 301))
+    res = distribution.measure(eng, SPEC, WL, range(1, 301))
     assert res.verdict is Verdict.BROKEN and res.impossible == 2 and res.n_samples == 300
     assert [(e.seed, e.position, e.token) for e in res.evidence] == [
         (30, 3, "<end>"), (31, 3, "</s>"),
     ]  # fmt: skip
-    seq = dist.measure(eng, SPEC, WL, range(1, 301), sequential=True)
+    seq = distribution.measure(eng, SPEC, WL, range(1, 301), sequential=True)
     assert seq.verdict is Verdict.BROKEN and seq.sequential is not None
     assert seq.sequential.samples_used == 30 and seq.sequential.decided_by == "e-value"
     assert seq.sequential.evidence[0].seed == 30 and "seed 30" in seq.reason
 
 
 def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors() -> None:
-    eng = dist.ServerEngine("http://127.0.0.1:9", SPEC, WL, concurrency=1)
+    eng = distribution.ServerEngine("http://127.0.0.1:9", SPEC, WL, concurrency=1)
     assert eng.body(3)["return_tokens"] is True
     answers: list[dict[str, Any]] = [
         {"content": "fe", "tokens": [5, 4, SPEC.eos_id], "timings": {"draft_n": 2}},
@@ -356,20 +360,20 @@ def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors() -
 
     eng._client.post = post  # type: ignore[method-assign]
 
-    async def go() -> list[dist.Sample | str]:
-        out: list[dist.Sample | str] = []
+    async def go() -> list[distribution.Sample | str]:
+        out: list[distribution.Sample | str] = []
         for seed in range(4):
             try:
                 out.append(await eng.sample(seed))
-            except dist.DistError as e:
+            except distribution.DistError as e:
                 out.append(str(e))
         await eng.aclose()
         return out
 
     got = asyncio.run(go())
-    assert got[0] == dist.Sample(0, "fe" + SPECIAL_CODES["</s>"] + END, 2, None)
-    assert got[1] == dist.Sample(1, "fe" + END)
-    assert got[2] == dist.Sample(2, "fegh")
+    assert got[0] == distribution.Sample(0, "fe" + SPECIAL_CODES["</s>"] + END, 2, None)
+    assert got[1] == distribution.Sample(1, "fe" + END)
+    assert got[2] == distribution.Sample(2, "fegh")
     assert isinstance(got[3], str) and "without a 'content' string" in got[3]
 
 
@@ -386,7 +390,9 @@ def test_false_alarm_rate_of_the_new_rule_stays_at_most_alpha() -> None:
     for spec, wl, seed in ((SPEC, WL, 100), (CTX, CWL, 200)):
         rng = np.random.default_rng(seed)
         for _ in range(150):
-            res = dist.analyze(spec, wl, draw(spec, wl, 400, rng), alpha=alpha, mc_draws=500)
+            res = distribution.analyze(
+                spec, wl, draw(spec, wl, 400, rng), alpha=alpha, mc_draws=500
+            )
             broken += res.verdict is Verdict.BROKEN
     assert broken <= st.binom.ppf(0.999, 300, alpha), broken
 
@@ -400,7 +406,7 @@ def test_sequential_false_alarms_stay_at_most_alpha_with_the_split() -> None:
     for spec, wl, seed in ((SPEC, WL, 300), (CTX, CWL, 400)):
         rng = np.random.default_rng(seed)
         for _ in range(runs):
-            verdict, _ = dist.replay_sequential(
+            verdict, _ = distribution.replay_sequential(
                 spec, wl, draw(spec, wl, 200, rng), alpha=alpha, tolerance=1e-9, mc_draws=200
             )
             broken += verdict is Verdict.BROKEN
@@ -411,7 +417,7 @@ def test_sequential_catches_draft_leakage_sooner_than_the_omnibus_e_process() ->
     """Output 25 % of the way toward the draft after every prefix: the sequential rule (e-process
     averaged with the draft direction, plus group-sequential looks) decides BROKEN at alpha 1e-3
     in at most half the samples the omnibus e-process alone needs (median of 6 runs)."""
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
 
     def bend(prefix: str, p: np.ndarray) -> np.ndarray:
         d = np.where(p > 0, truth.draft_next(prefix), 0.0)
@@ -422,7 +428,7 @@ def test_sequential_catches_draft_leakage_sooner_than_the_omnibus_e_process() ->
     ours, omni = [], []
     for _ in range(6):
         samples = draw(SPEC, WL, 3000, rng, bend)
-        verdict, res = dist.replay_sequential(SPEC, WL, samples, alpha=1e-3, tolerance=1e-9)
+        verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=1e-3, tolerance=1e-9)
         ours.append(res.samples_used if verdict is Verdict.BROKEN else 10**6)
         e = stats.EProcess()
         n_omni = 10**6
@@ -438,7 +444,7 @@ def test_sequential_catches_draft_leakage_sooner_than_the_omnibus_e_process() ->
     assert np.median(ours) * 2 <= np.median(omni), (ours, omni)
 
 
-def _tilt(truth: dist.Truth, tv: float) -> Bend:
+def _tilt(truth: distribution.Truth, tv: float) -> Bend:
     """Every context off by TV `tv`: mass moved from its most to its second most likely token."""
 
     def bend(prefix: str, p: np.ndarray) -> np.ndarray:
@@ -454,46 +460,48 @@ def _tilt(truth: dist.Truth, tv: float) -> Bend:
 def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
     """Per-context TV 0.05 (the fixed test at N = 1000 rejects it): sequential mode used to stop
     at PRESERVED (35 of 40 runs); now an early stop is WITHIN TOLERANCE, never PRESERVED."""
-    truth = dist.Truth(SPEC, WL)
+    truth = distribution.Truth(SPEC, WL)
     bend = _tilt(truth, 0.05)
     rng = np.random.default_rng(12)
     seen = Counter()
     for _ in range(10):
         samples = draw(SPEC, WL, 2000, rng, bend)
-        verdict, res = dist.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)
+        verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)
         seen[verdict] += 1
         assert verdict is not Verdict.PRESERVED
         if verdict is Verdict.WITHIN_TOLERANCE:
             assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.15
     assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 10
-    fixed = dist.analyze(SPEC, WL, draw(SPEC, WL, 1000, rng, bend))
+    fixed = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1000, rng, bend))
     assert fixed.verdict is Verdict.BROKEN
 
 
 def test_inconclusive_says_how_many_samples_would_do() -> None:
-    res = dist.analyze(SPEC, WL, draw(SPEC, WL, 200, np.random.default_rng(13)))
+    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 200, np.random.default_rng(13)))
     assert res.verdict is Verdict.INCONCLUSIVE
     assert res.tv_bound is not None and res.tv_bound > 0.15
     assert res.samples_needed == math.ceil(200 * (res.tv_bound / 0.15) ** 2)
     assert f"about {res.samples_needed} samples" in res.reason
-    more = dist.analyze(
+    more = distribution.analyze(
         SPEC, WL, draw(SPEC, WL, res.samples_needed, np.random.default_rng(14))
     )  # the estimate from 1/sqrt(n) scaling is about right
     assert more.tv_bound is not None and more.tv_bound <= 0.165
 
 
 def test_within_tolerance_is_a_pass_of_its_own(tmp_path: Path) -> None:
-    good = dist.analyze(SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)), engine="good")
-    seq = dist.measure(_ScriptedEngine({}, 3000), SPEC, WL, range(1, 3001), sequential=True)
+    good = distribution.analyze(
+        SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)), engine="good"
+    )
+    seq = distribution.measure(_ScriptedEngine({}, 3000), SPEC, WL, range(1, 3001), sequential=True)
     assert seq.verdict is Verdict.WITHIN_TOLERANCE, seq.reason
     assert "Within tolerance only" in seq.reason
 
-    def result(*engines: dist.EngineResult) -> dist.DistResult:
-        return dist.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, True, list(engines))
+    def result(*engines: distribution.EngineResult) -> distribution.DistResult:
+        return distribution.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, True, list(engines))
 
     assert result(good, seq).verdict is Verdict.WITHIN_TOLERANCE
     assert (result(good, seq).outcome, result(good, seq).exit_code) == (Outcome.OK, 0)
     assert result(good).verdict is Verdict.PRESERVED
-    assert "WITHIN TOLERANCE" in dist.to_markdown(result(good, seq))
-    png = dist.plot_results(result(good, seq), tmp_path / "d.png")
+    assert "WITHIN TOLERANCE" in distribution.to_markdown(result(good, seq))
+    png = distribution.plot_results(result(good, seq), tmp_path / "d.png")
     assert png.read_bytes()[:4] == b"\x89PNG"

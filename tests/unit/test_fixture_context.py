@@ -13,10 +13,10 @@ import gguf
 import numpy as np
 import pytest
 
-from specaudit import dist
+from specaudit import distribution
 from specaudit import fixtures as fx
-from specaudit.dist.results import DistError
-from specaudit.dist.truth import Truth
+from specaudit.distribution.results import DistError
+from specaudit.distribution.truth import Truth
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 
@@ -344,7 +344,7 @@ def test_draft_differs_from_the_target_so_drafts_get_rejected() -> None:
 
 @pytest.mark.parametrize("spec", [fx.default_spec(), SPEC], ids=["last-token", "context"])
 def test_truth_marginals_agree_with_the_joint(spec: fx.FixtureSpec) -> None:
-    wl = dist.make_workload(spec, tokens=4, joint=3)
+    wl = distribution.make_workload(spec, tokens=4, joint=3)
     truth = Truth(spec, wl)
     joint = fx.sequence_distribution(spec, spec.prompt, 4, R)
     for t in range(1, 5):
@@ -356,7 +356,7 @@ def test_truth_marginals_agree_with_the_joint(spec: fx.FixtureSpec) -> None:
 
 def test_truth_marginal_without_top_k_enumerates_prefixes() -> None:
     s = fx.SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)
-    wl = dist.make_workload(SPEC, tokens=3, sampler=s, joint=0)
+    wl = distribution.make_workload(SPEC, tokens=3, sampler=s, joint=0)
     m = Truth(SPEC, wl).marginal(3)
     assert m.sum() == pytest.approx(1.0, abs=1e-12)
     assert np.count_nonzero(m[:8]) == 8
@@ -364,36 +364,40 @@ def test_truth_marginal_without_top_k_enumerates_prefixes() -> None:
 
 def test_analysis_of_exact_frequencies_is_not_broken() -> None:
     """Samples drawn from the closed form itself (the same context fixture) are PRESERVED."""
-    wl = dist.make_workload(SPEC)
+    wl = distribution.make_workload(SPEC)
     joint = fx.sequence_distribution(SPEC, PROMPT, wl.tokens, R)
     rng = np.random.RandomState(1)
     keys = sorted(joint)
     draws = rng.choice(len(keys), size=1500, p=np.array([joint[k] for k in keys]))
-    samples = [dist.Sample(i + 1, keys[j]) for i, j in enumerate(draws)]
-    res = dist.analyze(SPEC, wl, samples)
+    samples = [distribution.Sample(i + 1, keys[j]) for i, j in enumerate(draws)]
+    res = distribution.analyze(SPEC, wl, samples)
     assert res.verdict.name == "PRESERVED", res.reason
     # ... and the last-token fixture's truth rejects them: context is visible to the test
-    other = dist.analyze(
-        fx.make_spec(7, name="x"), dist.make_workload(fx.make_spec(7, name="x")), samples
+    other = distribution.analyze(
+        fx.make_spec(7, name="x"), distribution.make_workload(fx.make_spec(7, name="x")), samples
     )
     assert other.verdict.name == "BROKEN"
 
 
 def test_load_fixture_by_kind(tmp_path: Path) -> None:
-    fs = dist.load_fixture(None, tmp_path, kind="context")
+    fs = distribution.load_fixture(None, tmp_path, kind="context")
     assert fs.spec == SPEC and fs.dir == tmp_path / "context"
     assert fs.sha256["target.gguf"] == CTX_TARGET_SHA256
-    assert dist.load_fixture(fs.dir, kind="context").spec == SPEC
-    assert dist.load_fixture(fs.dir).spec == SPEC  # a directory says its own kind
-    assert dist.load_fixture(None, tmp_path).spec == fx.default_spec()
+    assert distribution.load_fixture(fs.dir, kind="context").spec == SPEC
+    assert distribution.load_fixture(fs.dir).spec == SPEC  # a directory says its own kind
+    assert distribution.load_fixture(None, tmp_path).spec == fx.default_spec()
     with pytest.raises(DistError, match="is of kind 'context', not 'last-token'"):
-        dist.load_fixture(fs.dir, kind="last-token")
+        distribution.load_fixture(fs.dir, kind="last-token")
     with pytest.raises(DistError, match="--fixture-kind must be one of last-token, context"):
-        dist.load_fixture(None, tmp_path, kind="bigram")
-    f2, wl = dist.validate(["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="context")
+        distribution.load_fixture(None, tmp_path, kind="bigram")
+    f2, wl = distribution.validate(
+        ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="context"
+    )
     assert f2 is fs and wl.prompt == "bcdbc"
     with pytest.raises(DistError, match="not 'last-token'"):
-        dist.validate(["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="last-token")
+        distribution.validate(
+            ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="last-token"
+        )
 
 
 def test_context_presets_use_an_f32_kv_cache(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from fake_build import fake_cmake, install_sdist
-from specaudit import dist, llama
-from specaudit.dist import runner
+from specaudit import distribution, llama
+from specaudit.distribution import runner
 from specaudit.errors import BuildError
 from specaudit.llama import build
 from specaudit.llama.server import LlamaServer
@@ -327,14 +327,14 @@ def test_cli_dist_runs_the_server_engine_on_the_patched_build(
 
 def test_dist_run_checks_patches_before_anything_starts(tmp_path: Path) -> None:
     fake = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    with pytest.raises(dist.DistError, match="not both"):
-        dist.run(("server",), patches=("good",), binaries=fake)
-    with pytest.raises(dist.DistError, match="applies to the server"):
-        dist.run(("url",), url="http://127.0.0.1:9", patches=("good",))
-    with pytest.raises(dist.DistError, match="not one string"):
-        dist.run(("server",), patches="good")
+    with pytest.raises(distribution.DistError, match="not both"):
+        distribution.run(("server",), patches=("good",), binaries=fake)
+    with pytest.raises(distribution.DistError, match="applies to the server"):
+        distribution.run(("url",), url="http://127.0.0.1:9", patches=("good",))
+    with pytest.raises(distribution.DistError, match="not one string"):
+        distribution.run(("server",), patches="good")
     with pytest.raises(BuildError, match="no mutant"):
-        dist.run(("server",), patches=("mutants/nope",))
+        distribution.run(("server",), patches=("mutants/nope",))
 
 
 def test_dist_run_builds_with_the_patches_and_labels_the_engines(
@@ -359,7 +359,9 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
     monkeypatch.setattr(runner, "measure", fake_measure)
     (tmp_path / "llama-speculative").write_text("")
     with pytest.raises(KeyboardInterrupt):
-        dist.run(("speculative-example",), patches=(str(p), "mutants/s2"), work_dir=tmp_path)
+        distribution.run(
+            ("speculative-example",), patches=(str(p), "mutants/s2"), work_dir=tmp_path
+        )
     assert asked == [(str(p.resolve()), "mutants/s2")]
     assert labels == ["llama-speculative [mine+mutant-s2]"]
 
@@ -388,7 +390,7 @@ def test_spawn_server_draft_sampling(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     i = argv.index("--spec-draft-sampling")
     assert argv[i + 1] == "probabilistic" and "-md" in argv
     assert name == "dist-spec-probabilistic"
-    with pytest.raises(dist.DistError, match="needs a draft"):
+    with pytest.raises(distribution.DistError, match="needs a draft"):
         _spawned_argv(monkeypatch, tmp_path, draft=False, draft_sampling="probabilistic")
-    with pytest.raises(dist.DistError, match="one of greedy, probabilistic"):
+    with pytest.raises(distribution.DistError, match="one of greedy, probabilistic"):
         _spawned_argv(monkeypatch, tmp_path, draft=True, draft_sampling="typo")

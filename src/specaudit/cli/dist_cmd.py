@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from specaudit import dist, progress
+from specaudit import distribution, progress
 from specaudit.cli.common import (
     URL,
     WRITABLE_FILE,
@@ -33,9 +33,9 @@ from specaudit.validate import MAX_INT32
 
 PATHS_HELP = (
     "\b\nVerification paths (--engine server runs one llama-server per path, --path picks):\n"
-    + "".join(f"  {p:<10} {dist.PATH_HELP[p]}\n" for p in dist.PATHS)
+    + "".join(f"  {p:<10} {distribution.PATH_HELP[p]}\n" for p in distribution.PATHS)
     + "  Not covered, listed under every result with the reason (docs/dist.md):\n  "
-    + ", ".join(name for name, _ in dist.NOT_COVERED)
+    + ", ".join(name for name, _ in distribution.NOT_COVERED)
     + ".\n\n"
 )
 
@@ -59,7 +59,7 @@ def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) ->
     return t
 
 
-def render(res: dist.DistResult) -> None:
+def render(res: distribution.DistResult) -> None:
     wl = res.workload
     s = wl.sampler
     out.print(
@@ -79,7 +79,7 @@ def render(res: dist.DistResult) -> None:
             f"[bold]{e.engine}[/bold]: [{colours[e.verdict.outcome]}]{e.verdict.value}[/] "
             f"({f'path {e.path}, ' if e.path else ''}"
             f"seeds {e.first_seed}..{e.last_seed}, {e.n_samples} samples"
-            + (f", {dist.draft_cell(e)}" if e.drafted is not None else "")
+            + (f", {distribution.draft_cell(e)}" if e.drafted is not None else "")
             + f", {e.samples_per_s:.0f} samples/s)",
             highlight=False,
         )
@@ -87,16 +87,16 @@ def render(res: dist.DistResult) -> None:
         out.print(
             _table(
                 "observed (expected) per token, most likely context per position",
-                dist.CONTEXT_HEADERS,
-                dist.context_rows(e),
+                distribution.CONTEXT_HEADERS,
+                distribution.context_rows(e),
             )
         )
         note = " (descriptive: the sample size was chosen sequentially)" if e.sequential else ""
-        out.print(_table("tests" + note, dist.TEST_HEADERS, dist.test_rows(e)))
-        for line in dist.detail_lines(e, wl.prompt):
+        out.print(_table("tests" + note, distribution.TEST_HEADERS, distribution.test_rows(e)))
+        for line in distribution.detail_lines(e, wl.prompt):
             out.print(f"  {line}", highlight=False)
     out.print()
-    out.print(_table("summary", dist.SUMMARY_HEADERS, dist.summary_rows(res)))
+    out.print(_table("summary", distribution.SUMMARY_HEADERS, distribution.summary_rows(res)))
     for note in res.notes:
         out.print(note, highlight=False)
     if res.not_covered:
@@ -124,7 +124,7 @@ def _known_patches(
 @click.option(
     "--engine",
     "engines",
-    type=click.Choice(dist.ENGINES),
+    type=click.Choice(distribution.ENGINES),
     multiple=True,
     help="Engine(s) to test, repeatable [default: server and speculative-example]. server: "
     "llama-servers spawned on the fixture, one per verification path (--path); "
@@ -146,10 +146,10 @@ def _known_patches(
 @choice_option(
     "--generator",
     param="generators",
-    choices=dist.hf.GENERATORS,
+    choices=distribution.hf.GENERATORS,
     multiple=True,
     help="Candidate generator(s) of --engine transformers, repeatable [default: all]: "
-    + "; ".join(f"{g}: {h}" for g, h in dist.hf.GENERATOR_HELP.items())
+    + "; ".join(f"{g}: {h}" for g, h in distribution.hf.GENERATOR_HELP.items())
     + ".",
 )
 @click.option(
@@ -167,7 +167,7 @@ def _known_patches(
 @choice_option(
     "--path",
     param="paths",
-    choices=dist.PATHS,
+    choices=distribution.PATHS,
     multiple=True,
     help="Verification path(s) of --engine server, repeatable [default: all; rejection only "
     "at --temperature > 0]: plain (no draft), greedy (draft, sample-and-match), rejection "
@@ -176,8 +176,8 @@ def _known_patches(
 )
 @prompt_option(default=None, help="Prompt, in the fixture's letters [default: the fixture's].")
 @tokens_option(
-    default=dist.DEFAULT_TOKENS,
-    help=f"Tokens generated per sample (at least {dist.MIN_TOKENS}, so the server drafts).",
+    default=distribution.DEFAULT_TOKENS,
+    help=f"Tokens generated per sample (at least {distribution.MIN_TOKENS}, so the server drafts).",
 )
 @click.option(
     "--positions",
@@ -186,7 +186,7 @@ def _known_patches(
 )
 @click.option(
     "--joint",
-    type=click.IntRange(0, dist.MAX_JOINT),
+    type=click.IntRange(0, distribution.MAX_JOINT),
     help="Test the joint distribution of the first N positions [default: 3].",
 )
 # the sampler's top-k (not logprob candidates as in check/ab): its own option
@@ -204,13 +204,13 @@ def _known_patches(
 @click.option(
     "--alpha",
     type=FiniteFloat(0, 1, min_open=True, max_open=True),
-    default=dist.DEFAULT_ALPHA,
+    default=distribution.DEFAULT_ALPHA,
     show_default=True,
 )
 @click.option(
     "--tolerance",
     type=FiniteFloat(0, 1, min_open=True),
-    default=dist.DEFAULT_TOLERANCE,
+    default=distribution.DEFAULT_TOLERANCE,
     show_default=True,
     help="PRESERVED needs the data to rule out a larger prefix-averaged next-token TV at every "
     "position and a larger joint TV.",
@@ -223,19 +223,19 @@ def _known_patches(
 )
 @click.option(
     "--parallel",
-    type=click.IntRange(1, dist.MAX_PARALLEL),
+    type=click.IntRange(1, distribution.MAX_PARALLEL),
     default=4,
     show_default=True,
     help="Slots (-np) of spawned servers.",
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(1, dist.MAX_CONCURRENCY),
+    type=click.IntRange(1, distribution.MAX_CONCURRENCY),
     help="Requests in flight [default: 2 x slots].",
 )
 @click.option(
     "--jobs",
-    type=click.IntRange(1, dist.MAX_JOBS),
+    type=click.IntRange(1, distribution.MAX_JOBS),
     help="Parallel llama-speculative processes [default: CPUs].",
 )
 @click.option(
@@ -248,7 +248,9 @@ def _known_patches(
     "one shipped with specaudit (spec-logprobs), a mutant (mutants/NAME, docs/mutants.md), or a "
     "path to a .patch file. Repeatable.",
 )
-@timeout_option(default=dist.DEFAULT_TIMEOUT, help="Seconds per request to a server engine.")
+@timeout_option(
+    default=distribution.DEFAULT_TIMEOUT, help="Seconds per request to a server engine."
+)
 @click.option(
     "--plot",
     type=WRITABLE_FILE,
@@ -303,7 +305,7 @@ def command(
     )
     # Check every input first (a bad one must not wait for a build), then provision the
     # binaries with their own progress bar (one live display at a time), then sample.
-    fs, _ = dist.validate(
+    fs, _ = distribution.validate(
         engines,
         fixture=fixture_dir,
         url=url,
@@ -323,21 +325,23 @@ def command(
         plot=plot,
         fixture_kind=fixture_kind,
     )
-    if patches and not dist.needs_binaries(engines):
-        raise dist.DistError("--patch applies to the server and speculative-example engines only")
+    if patches and not distribution.needs_binaries(engines):
+        raise distribution.DistError(
+            "--patch applies to the server and speculative-example engines only"
+        )
     if paths and "server" not in engines:
-        raise dist.DistError("--path applies to the server engine only")
+        raise distribution.DistError("--path applies to the server engine only")
     if generators and "transformers" not in engines:
-        raise dist.DistError("--generator applies to the transformers engine only")
-    dist.check_paths(paths or None, temperature)
-    bins = ensure_binaries(patches=patches) if dist.needs_binaries(engines) else None
+        raise distribution.DistError("--generator applies to the transformers engine only")
+    distribution.check_paths(paths or None, temperature)
+    bins = ensure_binaries(patches=patches) if distribution.needs_binaries(engines) else None
     # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
     with progress.bars(console=console) as bars:
 
         def cb(label: str, done: int, total: int) -> None:
             bars(f"dist {label}", done, total)
 
-        res = dist.run(
+        res = distribution.run(
             engines,
             fixture=fs,
             url=url,
@@ -368,9 +372,9 @@ def command(
         render(res)
     else:
         # Off a terminal rich would squeeze the tables into 80 columns: print Markdown.
-        click.echo(dist.to_markdown(res))
+        click.echo(distribution.to_markdown(res))
         if any(e.path for e in res.engines) or res.not_covered:
-            click.echo("\n" + dist.paths_markdown(res))
+            click.echo("\n" + distribution.paths_markdown(res))
         for note in res.notes:
             click.echo(f"\n{note}")
         if res.plot is not None:

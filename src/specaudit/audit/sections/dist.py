@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specaudit import dist, matrix
+from specaudit import distribution, matrix
 from specaudit.audit.context import AuditContext, Section
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import FixtureSet
@@ -26,40 +26,42 @@ from specaudit.report import md_table
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds
-SUMMARY_HEADERS = ("fixture", *dist.PATH_HEADERS, "why")
+SUMMARY_HEADERS = ("fixture", *distribution.PATH_HEADERS, "why")
 
 
 def build_paths(ctx: AuditContext) -> list[str]:
     """The verification paths the audited build has: no rejection sampler before #27694."""
     have = matrix.has_rejection(ctx.binaries())
-    return [p for p in dist.PATHS if p != "rejection" or have]
+    return [p for p in distribution.PATHS if p != "rejection" or have]
 
 
 def _attempt(
-    failures: list[str], fixture: str, label: str, run: Callable[[], dist.EngineResult]
-) -> dist.EngineResult | None:
+    failures: list[str], fixture: str, label: str, run: Callable[[], distribution.EngineResult]
+) -> distribution.EngineResult | None:
     """`run()`, or None with one line in `failures` naming the engine and why it could not
     sample (the engines after it still run)."""
     try:
         return run()
     except SpecauditError as e:
-        failures.append(f"{fixture}: {dist.engine_error(label, e)}")
+        failures.append(f"{fixture}: {distribution.engine_error(label, e)}")
         return None
 
 
 def _server_paths(
     ctx: AuditContext, fs: FixtureSet, model: str, failures: list[str]
-) -> list[dist.EngineResult]:
-    wl = dist.make_workload(fs.spec)
+) -> list[distribution.EngineResult]:
+    wl = distribution.make_workload(fs.spec)
     results = []
     for path in build_paths(ctx):
-        label, kind = dist.PATH_ENGINES[path]
+        label, kind = distribution.PATH_ENGINES[path]
 
-        def run(path: str = path, label: str = label, kind: str = kind) -> dist.EngineResult:
+        def run(
+            path: str = path, label: str = label, kind: str = kind
+        ) -> distribution.EngineResult:
             srv = ctx.server(presets.fixture_role(model, path))
             ctx.progress(f"dist: {fs.spec.name}: {label}")
-            eng = dist.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
-            res = dist.measure(eng, fs.spec, wl, SEEDS)
+            eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
+            res = distribution.measure(eng, fs.spec, wl, SEEDS)
             res.path = path
             return res
 
@@ -69,25 +71,27 @@ def _server_paths(
     return results
 
 
-def _example(ctx: AuditContext, fs: FixtureSet, failures: list[str]) -> list[dist.EngineResult]:
+def _example(
+    ctx: AuditContext, fs: FixtureSet, failures: list[str]
+) -> list[distribution.EngineResult]:
     ctx.progress("dist: llama-speculative")
-    wl = dist.make_workload(fs.spec)
+    wl = distribution.make_workload(fs.spec)
 
-    def run() -> dist.EngineResult:
+    def run() -> distribution.EngineResult:
         speculative = ctx.binaries().speculative
-        ex = dist.ExampleEngine(speculative, fs.target, fs.draft, fs.spec, wl)
-        return dist.measure(ex, fs.spec, wl, SEEDS)
+        ex = distribution.ExampleEngine(speculative, fs.target, fs.draft, fs.spec, wl)
+        return distribution.measure(ex, fs.spec, wl, SEEDS)
 
     res = _attempt(failures, fs.spec.name, "llama-speculative", run)
     return [] if res is None else [res]
 
 
-def _result(fs: FixtureSet, engines: list[dist.EngineResult]) -> dist.DistResult:
-    return dist.DistResult(
+def _result(fs: FixtureSet, engines: list[distribution.EngineResult]) -> distribution.DistResult:
+    return distribution.DistResult(
         fixture=fs.spec.name, fixture_dir=fs.dir, sha256=dict(fs.sha256),
-        workload=dist.make_workload(fs.spec), alpha=dist.DEFAULT_ALPHA,
-        tolerance=dist.DEFAULT_TOLERANCE, sequential=False, engines=engines,
-        not_covered=list(dist.NOT_COVERED),
+        workload=distribution.make_workload(fs.spec), alpha=distribution.DEFAULT_ALPHA,
+        tolerance=distribution.DEFAULT_TOLERANCE, sequential=False, engines=engines,
+        not_covered=list(distribution.NOT_COVERED),
     )  # fmt: skip
 
 
@@ -101,13 +105,13 @@ def section(ctx: AuditContext) -> Section:
     last += _example(ctx, fs, failures)
     res = _result(fs, last)
     res_ctx = _result(cfs, _server_paths(ctx, cfs, "fixture-context", failures))
-    res.plot = dist.plot_results(res, ctx.out_dir / "dist.png")
-    res_ctx.plot = dist.plot_results(res_ctx, ctx.out_dir / "dist-context.png")
+    res.plot = distribution.plot_results(res, ctx.out_dir / "dist.png")
+    res_ctx.plot = distribution.plot_results(res_ctx, ctx.out_dir / "dist-context.png")
     both = [(r, e) for r in (res, res_ctx) for e in r.engines]
     rows = [
         (r.fixture, *row, e.reason)
         for r in (res, res_ctx)
-        for e, row in zip(r.engines, dist.path_rows(r), strict=True)
+        for e, row in zip(r.engines, distribution.path_rows(r), strict=True)
     ]
     markdown = "\n".join(
         [
@@ -125,7 +129,7 @@ def section(ctx: AuditContext) -> Section:
             "",
             "Not covered (no fixture can exercise them):",
             "",
-            *dist.not_covered_lines(res.not_covered),
+            *distribution.not_covered_lines(res.not_covered),
             *(
                 [f"- rejection: b{ctx.build} has no rejection sampler (added by #27694)"]
                 if "rejection" not in build_paths(ctx)
@@ -134,11 +138,11 @@ def section(ctx: AuditContext) -> Section:
             "",
             f"#### Fixture `{res.fixture}` (last-token)",
             "",
-            dist.to_markdown(res),
+            distribution.to_markdown(res),
             "",
             f"#### Fixture `{res_ctx.fixture}` (context)",
             "",
-            dist.to_markdown(res_ctx),
+            distribution.to_markdown(res_ctx),
         ]
     )
     broken = [e for _, e in both if e.verdict is Verdict.BROKEN]

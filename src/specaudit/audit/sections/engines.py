@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specaudit import check, dist
+from specaudit import check, distribution
 from specaudit import llama_cpp_python as lcp
 from specaudit.audit.context import AuditContext, Section
 from specaudit.outcome import Outcome
@@ -32,7 +32,7 @@ HEADERS = (
 )
 
 
-def rows(results: list[tuple[str, str, dist.DistResult]]) -> list[tuple[object, ...]]:
+def rows(results: list[tuple[str, str, distribution.DistResult]]) -> list[tuple[object, ...]]:
     """One row per (engine, generator, fixture): the table of docs/engines.md."""
     out: list[tuple[object, ...]] = []
     for engine, generator, r in results:
@@ -56,18 +56,18 @@ def rows(results: list[tuple[str, str, dist.DistResult]]) -> list[tuple[object, 
 
 def run_engines(
     ctx: AuditContext, seeds: int = SEEDS
-) -> tuple[list[tuple[str, str, dist.DistResult]], check.CheckResult, list[str]]:
+) -> tuple[list[tuple[str, str, distribution.DistResult]], check.CheckResult, list[str]]:
     """Every engine of the section; (engine, generator, result) triples, check, notes."""
-    out: list[tuple[str, str, dist.DistResult]] = []
+    out: list[tuple[str, str, distribution.DistResult]] = []
     notes: list[str] = []
     for fs in (ctx.fixture, ctx.context_fixture):
         ctx.progress(f"engines: transformers on {fs.spec.name}")
-        r = dist.run(["transformers"], fixture=fs, seeds=seeds, sequential=True)
+        r = distribution.run(["transformers"], fixture=fs, seeds=seeds, sequential=True)
         notes += [f"{fs.spec.name}: {n}" for n in r.notes]
         out.append(("transformers", "", r))
     ctx.progress("engines: llama-server via /v1/completions")
     srv = ctx.server("fixture-spec")
-    r = dist.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True)
+    r = distribution.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True)
     for e in r.engines:
         e.engine = "llama-server (openai)"
     out.append(("openai", "llama-server draft-simple", r))
@@ -78,7 +78,7 @@ def run_engines(
         log = Path(ctx.out_dir) / f"llama-cpp-python-{fs.spec.kind}.log"
         f32 = fs.spec.kind == "context"
         with lcp.LlamaCppPythonServer(Path(fs.target), log_path=log, f32_cache=f32) as s:
-            r = dist.run(["openai"], fixture=fs, url=s.url, seeds=seeds, sequential=True)
+            r = distribution.run(["openai"], fixture=fs, url=s.url, seeds=seeds, sequential=True)
             for e in r.engines:
                 e.engine = f"llama-cpp-python {lcp.VERSION} (openai)"
             out.append(("openai", f"llama-cpp-python {lcp.PROMPT_LOOKUP}", r))
@@ -104,7 +104,7 @@ def section(ctx: AuditContext) -> Section:
             "",
             "transformers generators that cannot run on a llama fixture:",
             "",
-            *dist.not_covered_lines(not_covered),
+            *distribution.not_covered_lines(not_covered),
             "",
             f"`check` on llama-cpp-python's server: {chk.verdict} ({chk.reason}); "
             f"speculation {chk.speculation.summary}.",

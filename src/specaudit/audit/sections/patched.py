@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specaudit import ab, check, dist, llama
+from specaudit import ab, check, distribution, llama
 from specaudit.audit.context import AuditContext, Section
 from specaudit.fixtures import FixtureSet
 from specaudit.llama.presets import PATCH, SPECULATIVE_FIX
@@ -68,8 +68,8 @@ class ExamplePair:
     fixture: str  # the fixture's name
     kind: str  # "last-token" or "context"
     prompt: str
-    stock: dist.EngineResult
-    fixed: dist.EngineResult
+    stock: distribution.EngineResult
+    fixed: distribution.EngineResult
 
     @property
     def proven(self) -> bool:
@@ -82,7 +82,7 @@ def example_pairs(
     *,
     stock_seeds: Sequence[int] = EXAMPLE_SEEDS,
     fixed_seeds: Sequence[int] = EXAMPLE_SEEDS,
-    tolerance: float = dist.DEFAULT_TOLERANCE,
+    tolerance: float = distribution.DEFAULT_TOLERANCE,
     prompts: Sequence[str | None] = (None, SECOND_PROMPT),
     stock_sequential: bool = False,
 ) -> list[ExamplePair]:
@@ -98,7 +98,7 @@ def example_pairs(
     out = []
     for kind, fs in (("last-token", ctx.fixture), ("context", ctx.context_fixture)):
         for prompt in prompts:
-            wl = dist.make_workload(fs.spec, prompt=prompt)
+            wl = distribution.make_workload(fs.spec, prompt=prompt)
             res = []
             for bins, seeds, label, seq in (
                 (stock_bins, stock_seeds, "llama-speculative", stock_sequential),
@@ -106,9 +106,9 @@ def example_pairs(
             ):
                 ctx.progress(f"patched: dist {label} on {fs.spec.name}, prompt {wl.prompt}")
                 eng = _example(bins, fs, wl, label)
-                alpha = 1e-3 if seq else dist.DEFAULT_ALPHA
+                alpha = 1e-3 if seq else distribution.DEFAULT_ALPHA
                 res.append(
-                    dist.measure(
+                    distribution.measure(
                         eng, fs.spec, wl, seeds, alpha=alpha, tolerance=tolerance, sequential=seq
                     )
                 )
@@ -117,12 +117,14 @@ def example_pairs(
 
 
 def _example(
-    bins: llama.LlamaBinaries, fs: FixtureSet, wl: dist.Workload, label: str
-) -> dist.ExampleEngine:
-    return dist.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl, label=label)
+    bins: llama.LlamaBinaries, fs: FixtureSet, wl: distribution.Workload, label: str
+) -> distribution.ExampleEngine:
+    return distribution.ExampleEngine(
+        bins.speculative, fs.target, fs.draft, fs.spec, wl, label=label
+    )
 
 
-def _example_cell(e: dist.EngineResult) -> str:
+def _example_cell(e: distribution.EngineResult) -> str:
     bound = f", TV <= {e.tv_bound:.3f}" if e.tv_bound is not None else ""
     return f"{e.verdict.value} ({e.n_samples} seeds{bound})"
 
@@ -162,15 +164,15 @@ def section(ctx: AuditContext) -> Section:
     )
     ctx.progress("patched: dist on the patched speculating server")
     fs = ctx.fixture
-    wl = dist.make_workload(fs.spec)
-    eng = dist.ServerEngine(
+    wl = distribution.make_workload(fs.spec)
+    eng = distribution.ServerEngine(
         ctx.server("fixture-spec-patched").url,
         fs.spec,
         wl,
         label="patched llama-server + draft",
         kind="server-spec",
     )
-    d = dist.measure(eng, fs.spec, wl, list(range(1, 1001)))
+    d = distribution.measure(eng, fs.spec, wl, list(range(1, 1001)))
 
     md = [
         f"Patch `{PATCH}` against b{ctx.build}: the same measurements on the stock and the "

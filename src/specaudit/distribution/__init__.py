@@ -31,9 +31,9 @@ covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
-from specaudit.dist import hf
-from specaudit.dist.analysis import Tally, analyze
-from specaudit.dist.coverage import (
+from specaudit.distribution import hf
+from specaudit.distribution.analysis import Tally, analyze
+from specaudit.distribution.coverage import (
     NOT_COVERED,
     PATH_ENGINES,
     PATH_HEADERS,
@@ -44,8 +44,8 @@ from specaudit.dist.coverage import (
     paths_markdown,
     rejected,
 )
-from specaudit.dist.driver import collect, measure, measure_async
-from specaudit.dist.engines import (
+from specaudit.distribution.driver import collect, measure, measure_async
+from specaudit.distribution.engines import (
     SAMPLER_CHAIN,
     Engine,
     ExampleEngine,
@@ -54,8 +54,8 @@ from specaudit.dist.engines import (
     parse_example_output,
     read_example_output,
 )
-from specaudit.dist.openai import FleetEngine, OpenAIEngine, fixture_model
-from specaudit.dist.render import (
+from specaudit.distribution.openai import FleetEngine, OpenAIEngine, fixture_model
+from specaudit.distribution.render import (
     CONTEXT_HEADERS,
     SUMMARY_HEADERS,
     TEST_HEADERS,
@@ -69,7 +69,7 @@ from specaudit.dist.render import (
     to_markdown,
     tokens_cell,
 )
-from specaudit.dist.results import (
+from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOKENS,
     DEFAULT_TOLERANCE,
@@ -84,7 +84,7 @@ from specaudit.dist.results import (
     TokenRow,
     Workload,
 )
-from specaudit.dist.runner import (
+from specaudit.distribution.runner import (
     DEFAULT_TIMEOUT,
     ENGINES,
     MAX_CONCURRENCY,
@@ -101,8 +101,8 @@ from specaudit.dist.runner import (
     spawn_server,
     validate,
 )
-from specaudit.dist.sequential import SEQUENTIAL_FIRST_LOOK, Sequential, replay_sequential
-from specaudit.dist.truth import Truth
+from specaudit.distribution.sequential import SEQUENTIAL_FIRST_LOOK, Sequential, replay_sequential
+from specaudit.distribution.truth import Truth
 
 __all__ = [
     "CONTEXT_HEADERS",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specaudit.dist.results import DistError, DistResult, EngineResult
+from specaudit.distribution.results import DistError, DistResult, EngineResult
 from specaudit.llama.presets import PATHS
 
 # path -> (engine label, engine kind)

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from specaudit import fixtures
-from specaudit.dist.results import DistError, Sample, Workload
-from specaudit.dist.truth import encode_ids
+from specaudit.distribution.results import DistError, Sample, Workload
+from specaudit.distribution.truth import encode_ids
 
 TRUTH_TOLERANCE = 1e-5  # max |transformers' probability - closed form| before sampling
 PROMPT_LOOKUP_TOKENS = 3  # prompt_lookup_num_tokens

@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from specaudit.dist.results import DistError
+from specaudit.distribution.results import DistError
 from specaudit.paths import cache_root
 
 PREFIX = "specaudit-logflush:"

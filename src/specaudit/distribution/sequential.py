@@ -23,8 +23,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.dist.analysis import Tally, analyze, certified_bounds, draft_score, evidence_sentence
-from specaudit.dist.results import (
+from specaudit.distribution.analysis import (
+    Tally,
+    analyze,
+    certified_bounds,
+    draft_score,
+    evidence_sentence,
+)
+from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
     EVIDENCE_KEPT,
@@ -33,7 +39,7 @@ from specaudit.dist.results import (
     SequentialResult,
     Workload,
 )
-from specaudit.dist.truth import Truth, describe, encode_text, stratum_key
+from specaudit.distribution.truth import Truth, describe, encode_text, stratum_key
 from specaudit.stats import Verdict
 
 SEQUENTIAL_FIRST_LOOK = 25  # interim looks at 25, 50, 100, 200, ... samples

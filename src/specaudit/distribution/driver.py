@@ -2,7 +2,7 @@
 
 Bounded memory whatever the number of seeds: the seeds are read from their sequence (a
 `range` is never materialised), at most a few windows of samples are in flight or waiting
-for their turn, and consumed samples are only counted (`specaudit.dist.analysis.Tally`).
+for their turn, and consumed samples are only counted (`specaudit.distribution.analysis.Tally`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.dist.analysis import Tally, analyze
-from specaudit.dist.engines import Engine, engine_error
-from specaudit.dist.results import (
+from specaudit.distribution.analysis import Tally, analyze
+from specaudit.distribution.engines import Engine, engine_error
+from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
     EngineResult,
@@ -23,8 +23,8 @@ from specaudit.dist.results import (
     Sample,
     Workload,
 )
-from specaudit.dist.sequential import Sequential
-from specaudit.dist.truth import Truth, encode_text
+from specaudit.distribution.sequential import Sequential
+from specaudit.distribution.truth import Truth, encode_text
 from specaudit.errors import SpecauditError
 from specaudit.stats import Verdict
 

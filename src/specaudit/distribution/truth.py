@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specaudit import fixtures
-from specaudit.dist.results import (
+from specaudit.distribution.results import (
     END,
     END_LABEL,
     OTHER,

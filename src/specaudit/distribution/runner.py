@@ -11,12 +11,12 @@ from typing import Any
 
 from specaudit import fixtures
 from specaudit import validate as checks
-from specaudit.dist import coverage
-from specaudit.dist.driver import measure
-from specaudit.dist.engines import MAX_CONCURRENCY, Engine, ExampleEngine, ServerEngine
-from specaudit.dist.openai import FleetEngine, OpenAIEngine
-from specaudit.dist.render import plot_results
-from specaudit.dist.results import (
+from specaudit.distribution import coverage
+from specaudit.distribution.driver import measure
+from specaudit.distribution.engines import MAX_CONCURRENCY, Engine, ExampleEngine, ServerEngine
+from specaudit.distribution.openai import FleetEngine, OpenAIEngine
+from specaudit.distribution.render import plot_results
+from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOKENS,
     DEFAULT_TOLERANCE,
@@ -26,7 +26,7 @@ from specaudit.dist.results import (
     ProgressFn,
     Workload,
 )
-from specaudit.dist.truth import Truth
+from specaudit.distribution.truth import Truth
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
@@ -232,7 +232,7 @@ def validate(
     if "transformers" in engines:
         if sampler.temperature <= 0:
             raise DistError("--engine transformers samples: --temperature must be > 0")
-        from specaudit.dist import hf
+        from specaudit.distribution import hf
 
         hf.versions()  # the extra is installed, or a one-line error now
     if isinstance(fixture, fixtures.FixtureSet):
@@ -468,7 +468,7 @@ def run(
             url_eng = _url_engine(name, url_list(url), fs.spec, wl, concurrency, timeout)
             results.append(measure(url_eng, fs.spec, wl, seed_list, **kw))
         else:
-            from specaudit.dist import hf
+            from specaudit.distribution import hf
 
             hf_engines, truth_check = hf.engines(fs, wl, tuple(generators or hf.GENERATORS))
             notes.append(truth_check.line())

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from specaudit.dist.results import ContextResult, DistResult, EngineResult, TestResult
+from specaudit.distribution.results import ContextResult, DistResult, EngineResult, TestResult
 from specaudit.stats import Verdict
 
 #: Verdict colours in plots (and for anyone drawing them): a pass green, WITHIN TOLERANCE a

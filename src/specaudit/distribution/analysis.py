@@ -27,8 +27,8 @@ import numpy as np
 from scipy import stats as st
 
 from specaudit import fixtures, stats
-from specaudit.dist.render import p_eq
-from specaudit.dist.results import (
+from specaudit.distribution.render import p_eq
+from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
     EVIDENCE_KEPT,
@@ -42,7 +42,7 @@ from specaudit.dist.results import (
     TokenRow,
     Workload,
 )
-from specaudit.dist.truth import Truth, describe, encode_text, stratum_key
+from specaudit.distribution.truth import Truth, describe, encode_text, stratum_key
 from specaudit.stats import GofResult, TvBound, TvInterval, Verdict
 
 POWER = 0.8  # the directed test's minimum detectable TV is at this power

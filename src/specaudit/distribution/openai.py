@@ -17,9 +17,9 @@ from typing import Any
 
 from specaudit import fixtures
 from specaudit.client import AsyncClient, Client, ClientError
-from specaudit.dist.engines import SAMPLER_CHAIN, Engine
-from specaudit.dist.results import DistError, Sample, Workload
-from specaudit.dist.truth import encode_text
+from specaudit.distribution.engines import SAMPLER_CHAIN, Engine
+from specaudit.distribution.results import DistError, Sample, Workload
+from specaudit.distribution.truth import encode_text
 
 DEFAULT_CONCURRENCY = 8  # requests in flight per server: OpenAI servers do not say their slots
 

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 from specaudit import fixtures, speculation
 from specaudit.client import AsyncClient, Client, ClientError
-from specaudit.dist import logflush
-from specaudit.dist.results import DistError, Sample, Workload
-from specaudit.dist.truth import encode_ids, encode_text
+from specaudit.distribution import logflush
+from specaudit.distribution.results import DistError, Sample, Workload
+from specaudit.distribution.truth import encode_ids, encode_text
 from specaudit.errors import SpecauditError
 
 # The closed form models this chain (fixtures.SamplerSettings); sent explicitly so a server's
