@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from specaudit.llama import build
+from specaudit.llama import patches as catalogue
 
 
 def install_sdist(
@@ -43,7 +44,7 @@ def install_sdist(
     for rel, text in patches.items():
         (pdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (pdir / rel).write_text(text)
-    monkeypatch.setattr(build, "_patch_dir", lambda b: pdir)
+    monkeypatch.setattr(catalogue, "bundled_dir", lambda b: pdir)
     return tmp_path / "cache"
 
 

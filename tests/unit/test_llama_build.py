@@ -12,6 +12,7 @@ from aiohttp import web
 from fakes import serve
 from specaudit.errors import BuildError
 from specaudit.llama import build
+from specaudit.llama import patches as catalogue
 
 CliFn = Callable[..., tuple[int, str, str]]
 
@@ -44,12 +45,12 @@ def test_patched_variant_has_its_own_key_that_follows_the_patch_bytes(
     pdir = tmp_path / "patches"
     pdir.mkdir()
     (pdir / "fix.patch").write_text("--- a/x\n+++ b/x\n")
-    monkeypatch.setattr(build, "_patch_dir", lambda b: pdir)
+    monkeypatch.setattr(catalogue, "bundled_dir", lambda b: pdir)
     v1 = build.variant_name(("fix",), 11434)
     assert v1.startswith("fix-") and v1 != "stock"
     (pdir / "fix.patch").write_text("--- a/x\n+++ b/x\n@@ changed @@\n")
     assert build.variant_name(("fix",), 11434) != v1
-    assert build.available_patches(11434) == ["fix"]
+    assert catalogue.available_patches(11434) == ["fix"]
     with pytest.raises(BuildError, match="no patch 'nope'"):
         build.variant_name(("nope",), 11434)
 

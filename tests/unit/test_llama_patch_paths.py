@@ -18,6 +18,7 @@ from specaudit import distribution, llama
 from specaudit.distribution import runner
 from specaudit.errors import BuildError
 from specaudit.llama import build
+from specaudit.llama import patches as catalogue
 from specaudit.llama.server import LlamaServer
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -212,9 +213,9 @@ def test_a_missing_patch_file_is_a_clear_error(tmp_path: Path) -> None:
         build.ensure(B, (str(tmp_path / "nope.patch"),))
     (tmp_path / "dir.patch").mkdir()
     with pytest.raises(BuildError, match="not found"):
-        build.check_patch(str(tmp_path / "dir.patch"))  # a directory is not a patch file
+        catalogue.check_patch(str(tmp_path / "dir.patch"))  # a directory is not a patch file
     with pytest.raises(BuildError, match="not found"):
-        build.check_patch("a\0b.patch")
+        catalogue.check_patch("a\0b.patch")
 
 
 def test_odd_file_names_give_safe_variant_labels(tmp_path: Path) -> None:
@@ -222,26 +223,26 @@ def test_odd_file_names_give_safe_variant_labels(tmp_path: Path) -> None:
     v = build.variant_name((str(p),), B)
     assert v.startswith("my_fix_v2____-") and "/" not in v
     p2 = _mine(tmp_path, MINE, "..patch")
-    assert build.patch_label(str(p2)) == "patch"
+    assert catalogue.patch_label(str(p2)) == "patch"
 
 
 def test_names_cannot_escape_the_patch_directory(tmp_path: Path) -> None:
     for name in ("../good", "mutants/../good", "mutants/", "", "good/x", "mutants/s2/x"):
         with pytest.raises(BuildError, match="no (patch|mutant)"):
-            build.check_patch(name, B)
+            catalogue.check_patch(name, B)
 
 
 # --------------------------------------------------------------------------------- mutants
 
 
 def test_mutants_are_listed_apart_from_the_patches() -> None:
-    assert build.available_patches(B) == ["good"]
-    assert build.available_mutants(B) == ["mutants/s2"]
+    assert catalogue.available_patches(B) == ["good"]
+    assert catalogue.available_mutants(B) == ["mutants/s2"]
     assert llama.available_mutants(B) == ["mutants/s2"]
-    assert build.describe_patch("mutants/s2", B) == (
+    assert catalogue.describe_patch("mutants/s2", B) == (
         "s2 off by one: a deliberately wrong speculative path"
     )
-    assert build.describe_patch("good", B) == ""
+    assert catalogue.describe_patch("good", B) == ""
 
 
 def test_a_mutant_builds_as_its_own_variant_and_stock_is_restored_after_it(

@@ -262,16 +262,16 @@ def _check_patches(
         raise DistError("give binaries or patches, not both (binaries carry their own patches)")
     if not needs_binaries(engines):
         raise DistError("--patch applies to the server and speculative-example engines only")
-    from specaudit.llama import build
+    from specaudit.llama import patches as patches_
 
-    return tuple(build.check_patch(p) for p in patches)
+    return tuple(patches_.check_patch(p) for p in patches)
 
 
 def _with_patches(label: str, b: LlamaBinaries) -> str:
     """An engine's label, naming the patches its binaries were built with (none: unchanged)."""
     if not b.patches:
         return label
-    from specaudit.llama.build import patch_label
+    from specaudit.llama.patches import patch_label
 
     return f"{label} [{'+'.join(patch_label(p) for p in b.patches)}]"
 

