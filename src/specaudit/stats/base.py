@@ -1,0 +1,73 @@
+"""What every statistic of `specaudit.stats` shares: its result types, the p-value floor and
+the Monte-Carlo budget, and the check that a sample and its distribution fit together.
+
+Kept apart so that the goodness-of-fit, total-variation, directed and verdict modules depend
+on this one module, not on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MC_DRAWS", "TINY_P", "GofResult", "TvBound", "TvInterval", "normalise"]
+
+MC_DRAWS = 10_000  # p-value resolution 1e-4: enough for alpha >= 1e-3
+# Smallest positive float: a p-value that underflowed is tiny, not zero. Zero is reserved for
+# outcomes that are impossible under the null (certainty, not strong evidence).
+TINY_P = 5e-324
+
+
+@dataclass(frozen=True)
+class GofResult:
+    """One goodness-of-fit test (possibly over several strata)."""
+
+    statistic: float  # G summed over strata (Williams-corrected for "g-test"); inf if impossible
+    df: int
+    p_value: float
+    method: str  # "g-test", "pooled", "exact", "monte-carlo", "impossible", "trivial"
+    n: int  # observations
+    n_strata: int  # strata that carried information (n > 0 and more than one possible outcome)
+    min_expected: float  # smallest expected cell count among the tested cells
+    impossible: int = 0  # observations of zero-probability outcomes
+
+
+@dataclass(frozen=True)
+class TvInterval:
+    """Total-variation distance between the engine's and the true distribution."""
+
+    estimate: float
+    lower: float
+    upper: float
+    confidence: float  # e.g. 0.99: simultaneous over all cells involved
+
+
+@dataclass(frozen=True)
+class TvBound:
+    """One-sided upper confidence bound on a prefix-averaged TV (see `conditional_tv_bound`)."""
+
+    estimate: float  # plug-in: sum over contexts of (n_c / n) TV(empirical_c, p_c)
+    upper: float
+    confidence: float  # 1 - alpha of this bound
+    n: int
+    contexts: int  # contexts with at least one observation
+    margin: float  # upper - estimate before clipping at 1: deviation_bound(n, alpha)
+
+
+def normalise(
+    observed: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, probabilities) as 1-D arrays, the probabilities rescaled to sum to exactly 1;
+    ValueError if they do not fit together (shapes, signs, a sum far from 1)."""
+    o = np.asarray(observed, dtype=np.int64)
+    p = np.asarray(probs, dtype=float)
+    if o.shape != p.shape or o.ndim != 1:
+        raise ValueError("observed and probs must be 1-D arrays of the same length")
+    if np.any(o < 0) or np.any(p < 0):
+        raise ValueError("counts and probabilities must be non-negative")
+    s = p.sum()
+    if not abs(s - 1.0) <= 1e-6:
+        raise ValueError(f"probabilities sum to {s}, not 1")
+    return o, p / s

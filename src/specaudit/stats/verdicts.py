@@ -1,0 +1,68 @@
+"""From p-values and TV bounds to a verdict: Holm's correction, the decision rule, and the
+error budget of interim looks. `Verdict` is the vocabulary every `dist` consumer speaks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import StrEnum
+
+from specaudit.outcome import Outcome
+
+__all__ = ["Verdict", "alpha_spending", "decide", "holm"]
+
+
+class Verdict(StrEnum):
+    PRESERVED = "PRESERVED"
+    BROKEN = "BROKEN"
+    INCONCLUSIVE = "INCONCLUSIVE"
+    # TV within the tolerance is certified, but not that the tests could have seen smaller
+    # deviations (sequential mode's early stop): a pass, weaker than PRESERVED
+    WITHIN_TOLERANCE = "WITHIN TOLERANCE"
+
+    @property
+    def outcome(self) -> Outcome:
+        """PRESERVED, WITHIN TOLERANCE -> OK; BROKEN -> FINDING; INCONCLUSIVE -> NO_DECISION."""
+        return {
+            Verdict.PRESERVED: Outcome.OK,
+            Verdict.WITHIN_TOLERANCE: Outcome.OK,
+            Verdict.BROKEN: Outcome.FINDING,
+            Verdict.INCONCLUSIVE: Outcome.NO_DECISION,
+        }[self]
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (controls the family-wise error rate)."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adj = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adj[i] = running
+    return adj
+
+
+def decide(
+    adjusted_pvalues: Sequence[float],
+    alpha: float,
+    tv_uppers: Sequence[float],
+    tolerance: float,
+    impossible: bool = False,
+) -> Verdict:
+    """BROKEN if anything rejects (or an impossible outcome was seen); PRESERVED only if
+    nothing rejects and every TV upper bound is within `tolerance`; else INCONCLUSIVE.
+
+    What PRESERVED certifies is what the bounds bound: give it the bounds of every quantity the
+    verdict speaks of (in `specaudit dist`: each position's prefix-averaged next-token TV and
+    the joint's TV, each at 1 - alpha / m)."""
+    if impossible or any(p < alpha for p in adjusted_pvalues):
+        return Verdict.BROKEN
+    if tv_uppers and all(u <= tolerance for u in tv_uppers):
+        return Verdict.PRESERVED
+    return Verdict.INCONCLUSIVE
+
+
+def alpha_spending(look: int, alpha: float) -> float:
+    """Error budget of the `look`-th (1-based) interim analysis: sums to alpha over all looks."""
+    return alpha * 6.0 / (math.pi**2 * look * look)
