@@ -18,7 +18,6 @@ logprobs at all) raises `CheckError` (exit 2).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -516,43 +515,6 @@ def run(
     if failed:
         reason += "; no decision on: " + ", ".join(failed)
     return CheckResult(url, s, spec, results, switch, verdict, outcome, reason)
-
-
-# ---------------------------------------------------------------------------------------------
-# rendering helpers shared by the CLI and the audit
-
-
-def fmt_logprob(r: TokenRecord) -> str:
-    """The value, or what stood in for a missing one (post_sampling_probs sends prob 1)."""
-    if r.logprob is not None:
-        return f"{r.logprob:.6g}" + (f" (p={r.prob:.4g})" if r.prob is not None else "")
-    if r.reported_logprob is not None:
-        if r.form == "prob":
-            return f"missing (sent prob {math.exp(r.reported_logprob):g})"
-        return f"missing (sent {r.reported_logprob:g})"
-    return "missing (no entry)"
-
-
-def token_rows(r: EndpointResult) -> list[tuple[str, str, str, int, str]]:
-    """(index, token, logprob, candidates, class) per token; the first token is marked."""
-    return [
-        (
-            f"{t.index}" + (" first" if t.is_first else ""),
-            repr(t.token),
-            fmt_logprob(t),
-            t.n_candidates,
-            t.klass.value,
-        )
-        for t in r.tokens
-    ]
-
-
-def endpoint_verdict(r: EndpointResult) -> str:
-    if r.status != "ok":
-        return f"{r.status}: {r.error}" if r.error else r.status
-    if r.placeholder:
-        return f"placeholders ({r.placeholder}/{r.total})"
-    return "real"
 
 
 __all__ = [

@@ -212,7 +212,8 @@ def to_json(result: CheckResult) -> dict[str, object]:
 def render(result: CheckResult, tokens_tables: bool = True) -> None:
     from rich.table import Table
 
-    from specaudit.check import PROBE_LABELS, endpoint_verdict, token_rows
+    from specaudit.check import PROBE_LABELS
+    from specaudit.check_rows import endpoint_rows, token_rows
 
     if tokens_tables:
         for r in result.endpoints:
@@ -229,17 +230,16 @@ def render(result: CheckResult, tokens_tables: bool = True) -> None:
     t = Table(title=f"check {result.url}", title_justify="left")
     for h in ("endpoint", "stream", "tokens", "real", "placeholder", "draft_n", "verdict"):
         t.add_column(h)
-    for r in result.endpoints:
-        drafted = f"{r.draft_n} ({r.draft_n_accepted} acc.)" if r.draft_n is not None else "-"
+    for ep in endpoint_rows(result):
         t.add_row(
-            PROBE_LABELS[r.kind],
-            "yes" if r.stream else "no",
-            str(r.total) if r.decided else "-",
-            str(r.real) if r.decided else "-",
-            str(r.placeholder) if r.decided else "-",
-            drafted,
-            endpoint_verdict(r),
-            style="red" if r.placeholder else None,
+            ep.endpoint,
+            ep.stream,
+            str(ep.tokens) if ep.decided else "-",
+            str(ep.real) if ep.decided else "-",
+            str(ep.placeholder) if ep.decided else "-",
+            ep.drafted,
+            ep.verdict,
+            style="red" if ep.placeholder else None,
         )
     out.print(t)
     sp = result.speculation

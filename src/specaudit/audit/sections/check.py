@@ -7,6 +7,7 @@ from typing import Any
 
 from specaudit import check
 from specaudit.audit.context import AuditContext, Section
+from specaudit.check_rows import endpoint_rows
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets
 from specaudit.outcome import Outcome
@@ -43,17 +44,10 @@ def section(ctx: AuditContext, servers: Sequence[str] | None = None) -> Section:
             data[name] = {"error": str(e)}
             continue
         data[name] = res
-        for r in res.endpoints:
-            rows.append(
-                (
-                    name,
-                    check.PROBE_LABELS[r.kind],
-                    "yes" if r.stream else "no",
-                    r.real,
-                    r.placeholder,
-                    check.endpoint_verdict(r),
-                )
-            )
+        rows.extend(
+            (name, row.endpoint, row.stream, row.real, row.placeholder, row.verdict)
+            for row in endpoint_rows(res)
+        )
         sp = res.speculation
         spec_rows.append(
             (
