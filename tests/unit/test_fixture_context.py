@@ -17,6 +17,7 @@ from specaudit import distribution
 from specaudit import fixtures as fx
 from specaudit.distribution.results import DistError
 from specaudit.distribution.truth import Truth
+from specaudit.fixtures.reference import network
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 
@@ -241,7 +242,7 @@ def test_reference_forward_pass_is_the_parity_histogram_closed_form() -> None:
 def test_every_attention_input_is_exact_in_f16() -> None:
     """Why llama.cpp's f16 KV cache and flash attention cannot move the probabilities: the
     rotated keys and queries are +-16 or 0 (to 1e-4 up to the context length), values 0/1."""
-    net = fx._net(SPEC, "target")
+    net = network(SPEC, "target")
     for a in (net.k, net.q):
         nearest = np.round(a / 16.0) * 16.0
         assert np.max(np.abs(a - nearest)) < 1e-4
@@ -390,12 +391,13 @@ def test_load_fixture_by_kind(tmp_path: Path) -> None:
         distribution.load_fixture(fs.dir, kind="last-token")
     with pytest.raises(DistError, match="--fixture-kind must be one of last-token, context"):
         distribution.load_fixture(None, tmp_path, kind="bigram")
-    f2, wl = distribution.validate(
+    req = distribution.make_request(
         ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="context"
     )
+    f2, wl = req.fixture, req.workload
     assert f2 is fs and wl.prompt == "bcdbc"
     with pytest.raises(DistError, match="not 'last-token'"):
-        distribution.validate(
+        distribution.make_request(
             ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="last-token"
         )
 
