@@ -44,8 +44,9 @@ from pathlib import Path
 from specaudit import distribution, fixtures, llama
 from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
-from specaudit.llama import presets
+from specaudit.llama import presets, sources
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import resolve_all
 from specaudit.llama.server import LlamaServer
 from specaudit.report import md_table
 from specaudit.stats import Verdict
@@ -279,7 +280,7 @@ def main() -> int:
     for name, patches in builds:
         control = name == "stock" or name in llama.available_patches()
         shared = control or any(
-            SHARED in f for p in patches for f in llama.build._patch_files(p, llama.DEFAULT_BUILD)
+            SHARED in f for p in resolve_all(patches) for f in sources.patch_files(p)
         )
         for fx, fs in fxs:
             for path in PATHS:

@@ -16,6 +16,7 @@ import pytest
 
 from specaudit.llama import build
 from specaudit.llama import patches as catalogue
+from specaudit.llama.patches import DEFAULT_BUILD, Patch, resolve_all
 
 
 def install_sdist(
@@ -68,3 +69,8 @@ def fake_cmake(
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     monkeypatch.setattr(build, "_run_logged", fake_run)
     return seen
+
+
+def patch_values(*texts: str, build: int = DEFAULT_BUILD) -> tuple[Patch, ...]:
+    """The patches `texts` name, resolved as the CLI resolves what a user types."""
+    return resolve_all(texts, build)

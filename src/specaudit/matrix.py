@@ -29,6 +29,7 @@ from specaudit.client import Client
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import Patch, resolve_all
 from specaudit.report import md_table
 from specaudit.stats import Verdict
 
@@ -88,7 +89,7 @@ class MatrixResult:
 
 
 ProgressFn = Callable[[str], None]
-EnsureFn = Callable[[int, tuple[str, ...]], LlamaBinaries]
+EnsureFn = Callable[[int, tuple[Patch, ...]], LlamaBinaries]
 
 
 def parse_builds(text: str) -> tuple[int, ...]:
@@ -197,7 +198,7 @@ def run(
             if presets.PATCH in llama.available_patches(b):
                 say(f"b{b}: {presets.PATCH} binaries")
                 patched, _ = _variant(
-                    "patched", get(b, (presets.PATCH,)), fs, paths, seeds, logs, say
+                    "patched", get(b, resolve_all((presets.PATCH,), b)), fs, paths, seeds, logs, say
                 )
             else:
                 note = f"specaudit ships no {presets.PATCH} patch for b{b}"

@@ -16,8 +16,9 @@ import sys
 import pytest
 
 from specaudit import distribution, fixtures, llama
-from specaudit.llama import build
+from specaudit.llama import sources
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import resolve
 from specaudit.stats import Verdict
 
 MUTANTS = ("mutants/ratio-inverted", "mutants/argmax-proposal", "mutants/verify-index")
@@ -62,9 +63,10 @@ def test_every_bundled_mutant_applies_to_pristine_b11434(llama_bins: LlamaBinari
     assert not any(m.startswith("mutants/") for m in llama.available_patches())  # ./run skips
     for m in mutants:
         assert llama.describe_patch(m), f"{m} has no one-line description"
-        files = build._patch_files(m, llama.DEFAULT_BUILD)
-        pristine = build._variant_sources(llama.DEFAULT_BUILD, (), files)
-        mutated = build._variant_sources(llama.DEFAULT_BUILD, (m,), files)
+        patch = resolve(m, llama.DEFAULT_BUILD)
+        files = sources.patch_files(patch)
+        pristine = sources.variant_sources(llama.DEFAULT_BUILD, (), files)
+        mutated = sources.variant_sources(llama.DEFAULT_BUILD, (patch,), files)
         assert all(mutated[f] is not None and mutated[f] != pristine[f] for f in files), m
 
 

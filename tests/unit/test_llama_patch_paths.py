@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 
 from fake_build import fake_cmake, install_sdist
+from fake_build import patch_values as _p
 from specaudit import distribution, llama
 from specaudit.distribution import runner
 from specaudit.errors import BuildError
-from specaudit.llama import build
+from specaudit.llama import build, sources
 from specaudit.llama import patches as catalogue
+from specaudit.llama.patches import Patch
 from specaudit.llama.server import LlamaServer
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -96,7 +98,7 @@ def test_a_path_patch_builds_its_own_variant_named_after_its_stem(
     tmp_path: Path, compiled: list[dict[str, bytes]]
 ) -> None:
     p = _mine(tmp_path)
-    b = build.ensure(B, (str(p),))
+    b = build.ensure(B, _p(str(p)))
     assert compiled[-1]["src/b.c"] == b"int b1 = 1;\nint b2 = 42;\nint b3 = 3;\n"
     assert compiled[-1]["src/a.c"] == PRISTINE["src/a.c"]
     assert b.variant.startswith("mine-") and len(b.variant) == len("mine-") + 12
@@ -104,7 +106,7 @@ def test_a_path_patch_builds_its_own_variant_named_after_its_stem(
     info = json.loads((b.bin_dir.parent / "complete.json").read_text())
     assert info["variant"] == b.variant
     # found again by the same path, without a build
-    assert build.find(B, (str(p),)) == b
+    assert build.find(B, _p(str(p))) == b
     assert len(compiled) == 1
 
 
@@ -112,54 +114,58 @@ def test_the_variant_follows_the_bytes_not_the_path(
     tmp_path: Path, compiled: list[dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = _mine(tmp_path)
-    b = build.ensure(B, (str(p),))
+    b = build.ensure(B, _p(str(p)))
     # the same bytes under the same name elsewhere, and as a relative path: the same entry
     other = tmp_path / "elsewhere"
     other.mkdir()
     (other / "mine.patch").write_bytes(p.read_bytes())
     monkeypatch.chdir(other)
-    assert build.find(B, ("mine.patch",)) == b
-    assert build.ensure(B, ("./mine.patch",)) == b
+    assert build.find(B, _p("mine.patch")) == b
+    assert build.ensure(B, _p("./mine.patch")) == b
     assert len(compiled) == 1
     # editing the file is a new variant (the old entry stays, keyed by the old bytes)
     p.write_text(MINE.replace("42", "43"))
-    assert build.find(B, (str(p),)) is None
-    b2 = build.ensure(B, (str(p),))
+    assert build.find(B, _p(str(p))) is None
+    b2 = build.ensure(B, _p(str(p)))
     assert b2.variant != b.variant and b2.variant.startswith("mine-")
     assert compiled[-1]["src/b.c"].count(b"43") == 1
-    assert build.find(B, ("mine.patch",)) == b
+    assert build.find(B, _p("mine.patch")) == b
 
 
 def test_a_path_with_the_bytes_of_a_bundled_patch_is_that_variant(tmp_path: Path) -> None:
     copy = _mine(tmp_path, GOOD, "good.patch")
-    assert build.variant_name((str(copy),), B) == build.variant_name(("good",), B)
+    assert catalogue.variant_name(_p(str(copy), build=B)) == catalogue.variant_name(
+        _p("good", build=B)
+    )
     renamed = _mine(tmp_path, GOOD, "better.patch")
-    assert build.variant_name((str(renamed),), B).startswith("better-")
+    assert catalogue.variant_name(_p(str(renamed), build=B)).startswith("better-")
 
 
 def test_the_build_uses_an_immutable_copy_of_the_file(
     tmp_path: Path, compiled: list[dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = _mine(tmp_path)
-    real = build._set_patches
+    real = sources.set_patches
 
-    def edit_then_set(build_n: int, src: Path, patches: tuple[str, ...]) -> Any:
+    def edit_then_set(build_n: int, src: Path, patches: tuple[Patch, ...]) -> Any:
         p.write_text("garbage written while the build starts\n")  # the user edits the file
         return real(build_n, src, patches)
 
-    monkeypatch.setattr(build, "_set_patches", edit_then_set)
-    b = build.ensure(B, (str(p),))
+    monkeypatch.setattr(sources, "set_patches", edit_then_set)
+    b = build.ensure(B, _p(str(p)))
     assert compiled[-1]["src/b.c"].count(b"42") == 1  # built from the bytes it was keyed by
-    (copy,) = b.patches
+    (patch,) = b.patches
+    assert patch.data.decode() == MINE  # the value the build used holds the bytes it was keyed by
+    (copy,) = json.loads((b.bin_dir.parent / "complete.json").read_text())["patches"]
     assert Path(copy).read_text() == MINE and Path(copy).is_relative_to(build.llama_dir())
-    assert build.find(B, (copy,)) == b
+    assert build.find(B, _p(copy)) == b
 
 
 def test_path_patches_combine_with_bundled_ones_in_order(
     tmp_path: Path, compiled: list[dict[str, bytes]]
 ) -> None:
     p = _mine(tmp_path)
-    b = build.ensure(B, ("good", str(p)))
+    b = build.ensure(B, _p("good", str(p)))
     assert b.variant.startswith("good+mine-")
     assert compiled[-1]["src/a.c"] != PRISTINE["src/a.c"]
     assert compiled[-1]["src/b.c"] != PRISTINE["src/b.c"]
@@ -172,7 +178,7 @@ def test_a_stock_build_after_a_path_patch_restores_its_files_even_without_a_reco
     tmp_path: Path, compiled: list[dict[str, bytes]]
 ) -> None:
     # MINE edits src/b.c, which no bundled patch touches: only the state record names it...
-    build.ensure(B, (str(_mine(tmp_path)),))
+    build.ensure(B, _p(str(_mine(tmp_path))))
     assert compiled[-1]["src/b.c"] != PRISTINE["src/b.c"]
     # ...and the record is lost: the stock build must still compile a pristine src/b.c
     (_src().parent / "patched.json").write_text("{not json")
@@ -199,7 +205,7 @@ def test_a_bad_patch_file_is_one_line_and_leaves_the_tree_stock(
     build.ensure(B)
     p = _mine(tmp_path, text)
     with pytest.raises(BuildError, match=match) as ei:
-        build.ensure(B, (str(p),))
+        build.ensure(B, _p(str(p)))
     assert "\n" not in str(ei.value)
     assert all((_src() / rel).read_bytes() == data for rel, data in PRISTINE.items())
     assert (
@@ -210,7 +216,7 @@ def test_a_bad_patch_file_is_one_line_and_leaves_the_tree_stock(
 
 def test_a_missing_patch_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match=r"patch file .*nope\.patch' not found"):
-        build.ensure(B, (str(tmp_path / "nope.patch"),))
+        build.ensure(B, _p(str(tmp_path / "nope.patch")))
     (tmp_path / "dir.patch").mkdir()
     with pytest.raises(BuildError, match="not found"):
         catalogue.check_patch(str(tmp_path / "dir.patch"))  # a directory is not a patch file
@@ -220,7 +226,7 @@ def test_a_missing_patch_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_odd_file_names_give_safe_variant_labels(tmp_path: Path) -> None:
     p = _mine(tmp_path, MINE, "my fix+v2 (ü).patch")
-    v = build.variant_name((str(p),), B)
+    v = catalogue.variant_name(_p(str(p), build=B))
     assert v.startswith("my_fix_v2____-") and "/" not in v
     p2 = _mine(tmp_path, MINE, "..patch")
     assert catalogue.patch_label(str(p2)) == "patch"
@@ -248,8 +254,10 @@ def test_mutants_are_listed_apart_from_the_patches() -> None:
 def test_a_mutant_builds_as_its_own_variant_and_stock_is_restored_after_it(
     compiled: list[dict[str, bytes]],
 ) -> None:
-    b = build.ensure(B, ("mutants/s2",))
-    assert b.variant.startswith("mutant-s2-") and b.patches == ("mutants/s2",)
+    b = build.ensure(B, _p("mutants/s2"))
+    assert b.variant.startswith("mutant-s2-") and tuple(p.name for p in b.patches) == (
+        "mutants/s2",
+    )
     assert compiled[-1]["src/spec.c"] == b"int s1 = 1;\nint s2 = 3;\nint s3 = 3;\n"
     # the state record is lost: the mutant's file is restored anyway, being a bundled file
     (_src().parent / "patched.json").write_text("{not json")
@@ -257,12 +265,12 @@ def test_a_mutant_builds_as_its_own_variant_and_stock_is_restored_after_it(
     assert compiled[-1] == PRISTINE
     stock = json.loads((build.entry_dir(B) / "complete.json").read_text())
     assert "src/spec.c" in stock["sources"]["files"]
-    assert build.find(B, ("mutants/s2",)) == b
+    assert build.find(B, _p("mutants/s2")) == b
 
 
 def test_unknown_mutant_lists_the_mutants() -> None:
     with pytest.raises(BuildError, match=r"no mutant 'mutants/nope' .*available: mutants/s2"):
-        build.ensure(B, ("mutants/nope",))
+        build.ensure(B, _p("mutants/nope"))
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -311,16 +319,16 @@ def test_cli_dist_runs_the_server_engine_on_the_patched_build(
 ) -> None:
     """`dist --patch PATH` provisions that variant (the build itself is stubbed here)."""
     p = _mine(tmp_path)
-    asked: list[tuple[str, ...]] = []
+    asked: list[tuple[Patch, ...]] = []
 
-    def fake_find(b: int, patches: tuple[str, ...] = ()) -> None:
+    def fake_find(b: int, patches: tuple[Patch, ...] = ()) -> None:
         asked.append(tuple(patches))
         raise BuildError("stop here")
 
     monkeypatch.setattr(llama, "find", fake_find)
     code, _, err = cli("dist", "--engine", "server", "--patch", str(p), "--seeds", "5")
     assert code == 2 and "stop here" in err
-    assert asked == [(str(p.resolve()),)]
+    assert [tuple(x.name for x in a) for a in asked] == [(str(p.resolve()),)]
 
 
 # ------------------------------------------------------------------------- dist plumbing
@@ -329,13 +337,13 @@ def test_cli_dist_runs_the_server_engine_on_the_patched_build(
 def test_dist_run_checks_patches_before_anything_starts(tmp_path: Path) -> None:
     fake = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
     with pytest.raises(distribution.DistError, match="not both"):
-        distribution.run(("server",), patches=("good",), binaries=fake)
+        distribution.make_request(("server",), patches=("good",), binaries=fake)
     with pytest.raises(distribution.DistError, match="applies to the server"):
-        distribution.run(("url",), url="http://127.0.0.1:9", patches=("good",))
+        distribution.make_request(("url",), url="http://127.0.0.1:9", patches=("good",))
     with pytest.raises(distribution.DistError, match="not one string"):
-        distribution.run(("server",), patches="good")
+        distribution.make_request(("server",), patches="good")
     with pytest.raises(BuildError, match="no mutant"):
-        distribution.run(("server",), patches=("mutants/nope",))
+        distribution.make_request(("server",), patches=("mutants/nope",))
 
 
 def test_dist_run_builds_with_the_patches_and_labels_the_engines(
@@ -347,7 +355,7 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
     def fake_ensure(*a: Any, patches: tuple[str, ...] = (), **k: Any) -> llama.LlamaBinaries:
         asked.append(patches)
         return llama.LlamaBinaries(
-            bin_dir=tmp_path, build=B, variant="x", patches=build.resolve_patches(patches, B)
+            bin_dir=tmp_path, build=B, variant="x", patches=build.as_patches(patches, B)
         )
 
     labels: list[str] = []
@@ -360,9 +368,10 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
     monkeypatch.setattr(runner, "measure", fake_measure)
     (tmp_path / "llama-speculative").write_text("")
     with pytest.raises(KeyboardInterrupt):
-        distribution.run(
+        req = distribution.make_request(
             ("speculative-example",), patches=(str(p), "mutants/s2"), work_dir=tmp_path
         )
+        distribution.run(req)
     assert asked == [(str(p.resolve()), "mutants/s2")]
     assert labels == ["llama-speculative [mine+mutant-s2]"]
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from specaudit import llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import Patch, resolve_all
 from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from specaudit.fixtures import FixtureSet
 
 ProgressFn = Callable[[str], None]
-EnsureFn = Callable[[int, tuple[str, ...]], LlamaBinaries]
+EnsureFn = Callable[[int, tuple[Patch, ...]], LlamaBinaries]
 
 
 @dataclass
@@ -70,7 +71,7 @@ class AuditContext:
             if variant == presets.SPECULATIVE_FIX:
                 patches = (presets.SPECULATIVE_FIX,)
             self.progress(f"llama.cpp b{self.build} {variant}")
-            self._bins[variant] = self._ensure_bins(self.build, patches)
+            self._bins[variant] = self._ensure_bins(self.build, resolve_all(patches, self.build))
         return self._bins[variant]
 
     @property

@@ -22,6 +22,7 @@ from specaudit.validate import MAX_INT32
 
 if TYPE_CHECKING:
     from specaudit.llama.build import LlamaBinaries
+    from specaudit.llama.patches import Patch
 
 AUDIT_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -60,14 +61,16 @@ def command(out_dir: Path, build: int, only: tuple[str, ...], as_json: bool) -> 
     sampling distributions, the proxy, and the patched server."""
     from specaudit import audit
     from specaudit.audit.runner import select
+    from specaudit.llama.patches import resolve_all
 
     select(only)  # an unknown section is an error now, not after the build
     # Build (or find) every binary first, with its own progress bar: one live display at a time.
-    prebuilt: dict[tuple[str, ...], LlamaBinaries] = {(): ensure_binaries(build)}
+    prebuilt: dict[tuple[Patch, ...], LlamaBinaries] = {(): ensure_binaries(build)}
     for p in llama.available_patches(build):
-        prebuilt[(p,)] = ensure_binaries(build, (p,))
+        values = resolve_all((p,), build)
+        prebuilt[values] = ensure_binaries(build, values)
 
-    def ensure(b: int, patches: tuple[str, ...]) -> LlamaBinaries:
+    def ensure(b: int, patches: tuple[Patch, ...]) -> LlamaBinaries:
         return prebuilt.get(patches) or llama.ensure(b, patches)
 
     # On a terminal a live status line; off one, a line per step: [specaudit] audit: ...

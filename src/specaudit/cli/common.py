@@ -27,7 +27,7 @@ from specaudit import progress, validate
 from specaudit.validate import MAX_INT32, MAX_SEED, MAX_TIMEOUT
 
 if TYPE_CHECKING:
-    from specaudit.llama import LlamaBinaries
+    from specaudit.llama import LlamaBinaries, Patch
     from specaudit.llama.build import ProgressFn
 
 __all__ = [
@@ -305,16 +305,21 @@ def build_progress(what: str = "llama.cpp") -> Iterator[ProgressFn]:
 
 
 def ensure_binaries(
-    build: int | None = None, patches: tuple[str, ...] = (), jobs: int | None = None
+    build: int | None = None, patches: Sequence[Patch | str] = (), jobs: int | None = None
 ) -> LlamaBinaries:
-    """Cached binaries, or a build with a progress bar (`build`: default llama.DEFAULT_BUILD)."""
+    """Cached binaries, or a build with a progress bar (`build`: default llama.DEFAULT_BUILD).
+
+    `patches`: `Patch` values, or what a user typed (resolved here, once, for both the lookup
+    and the build)."""
     from specaudit import llama
+    from specaudit.llama.build import as_patches
 
     if build is None:
         build = llama.DEFAULT_BUILD
-    found = llama.find(build, patches)
+    values = as_patches(patches, build)
+    found = llama.find(build, values)
     if found is not None:
         return found
-    label = f"llama.cpp b{build}" + (f" + {'+'.join(patches)}" if patches else "")
+    label = f"llama.cpp b{build}" + (f" + {'+'.join(p.name for p in values)}" if values else "")
     with build_progress(label) as cb:
-        return llama.ensure(build, patches, jobs=jobs, progress=cb)
+        return llama.ensure(build, values, jobs=jobs, progress=cb)

@@ -7,6 +7,7 @@ import click
 from specaudit import llama
 from specaudit.cli.common import emit_json, ensure_binaries, json_option, out
 from specaudit.errors import BuildError
+from specaudit.llama.patches import Patch
 from specaudit.outcome import EXIT_CODES_HELP
 from specaudit.validate import MAX_INT32
 
@@ -15,12 +16,14 @@ MAX_JOBS = 1024  # --jobs: cmake's parallel jobs
 
 def _known_patches(
     ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
-) -> tuple[str, ...]:
+) -> tuple[Patch, ...]:
     """A patch specaudit ships for the build (or one of its mutants/<name>), or a path to a
-    .patch file (made absolute): checked before any lookup or build."""
+    .patch file: resolved once (its bytes read) before any lookup or build."""
+    from specaudit.llama.patches import resolve_all
+
     build = ctx.params.get("build", llama.DEFAULT_BUILD)
     try:
-        return tuple(llama.check_patch(name, build) for name in value)
+        return resolve_all(value, build)
     except BuildError as e:
         raise click.BadParameter(str(e), ctx, param) from None
 
@@ -65,9 +68,9 @@ patch_opt = click.option(
     help=f"Parallel jobs (1..{MAX_JOBS}).",
 )
 @json_option
-def build_cmd(build: int, patches: tuple[str, ...], jobs: int | None, as_json: bool) -> None:
+def build_cmd(build: int, patches: tuple[Patch, ...], jobs: int | None, as_json: bool) -> None:
     """Fetch, build (if not cached) and print the binaries' directory."""
-    bins = ensure_binaries(build, tuple(patches), jobs)
+    bins = ensure_binaries(build, patches, jobs)
     _show(bins, as_json)
 
 
@@ -75,14 +78,14 @@ def build_cmd(build: int, patches: tuple[str, ...], jobs: int | None, as_json: b
 @build_opt
 @patch_opt
 @json_option
-def path_cmd(build: int, patches: tuple[str, ...], as_json: bool) -> None:
+def path_cmd(build: int, patches: tuple[Patch, ...], as_json: bool) -> None:
     """Print the cached binaries' directory; exit 2 if that build is not cached."""
-    bins = llama.find(build, tuple(patches))
+    bins = llama.find(build, patches)
     if bins is None:
-        what = f"b{build}" + (f" with {'+'.join(patches)}" if patches else "")
+        what = f"b{build}" + (f" with {'+'.join(p.name for p in patches)}" if patches else "")
         raise BuildError(
             f"llama.cpp {what} is not built; run: specaudit llama build --build {build}"
-            + "".join(f" --patch {p}" for p in patches)
+            + "".join(f" --patch {p.name}" for p in patches)
         )
     _show(bins, as_json)
 

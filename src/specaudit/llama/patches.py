@@ -181,9 +181,11 @@ def check_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
     return resolve(spec, build).name
 
 
-def patch_label(spec: str) -> str:
+def patch_label(spec: str | Patch) -> str:
     """The part of a variant name a patch contributes: its name, ``mutant-<name>``, or a
     file's stem (characters outside ``[A-Za-z0-9._-]`` replaced, at most 64)."""
+    if isinstance(spec, Patch):
+        return spec.label
     if is_patch_file(spec):
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(spec).name[: -len(".patch")])
         return (stem.lstrip(".-") or "patch")[:_MAX_LABEL]
