@@ -53,7 +53,7 @@ import httpx
 
 from specaudit import fixtures, llama
 from specaudit.llama import LlamaServer, free_port
-from specaudit.llama.server import _pdeathsig
+from specaudit.llama.process import pdeathsig
 
 PROMPT = "abcab"
 MAX_TOKENS = 8
@@ -267,7 +267,7 @@ def _serving(
             cmd,
             stdout=subprocess.DEVNULL,
             stderr=errlog,
-            preexec_fn=_pdeathsig,  # dies with us
+            preexec_fn=pdeathsig,  # dies with us
             env={**os.environ, **env} if env else None,
         )
         url = f"http://127.0.0.1:{port}"

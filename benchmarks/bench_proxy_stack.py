@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_proxy import Run, body, fixture_servers, load, pct  # noqa: E402
 from specaudit.llama import free_port  # noqa: E402
-from specaudit.llama.server import _pdeathsig  # noqa: E402
+from specaudit.llama.process import pdeathsig  # noqa: E402
 
 STACKS = ["aiohttp", "aiohttp+httpx", "starlette/uvicorn/httpx", "starlette/uvicorn[std]/httpx"]
 COUNTS = {1: 300, 16: 1000}
@@ -165,7 +165,7 @@ def stack_process(stack: str, target: str) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve", stack, "--port", str(port), "--target", target],
         stderr=subprocess.PIPE,
-        preexec_fn=_pdeathsig,
+        preexec_fn=pdeathsig,
     )
     url = f"http://127.0.0.1:{port}"
     try:

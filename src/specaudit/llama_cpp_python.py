@@ -9,7 +9,8 @@ its server extra, into the running interpreter's environment: `./run test` calls
 none is skipped.
 
 The server binds 127.0.0.1 on a free port, runs in its own process group with PDEATHSIG,
-and is stopped on exit like `specaudit.llama.server.LlamaServer`. Its speculation
+and is stopped on exit: the lifecycle of `specaudit.llama.process.ManagedServer`, shared with
+`specaudit.llama.server.LlamaServer`. Its speculation
 (``--draft_model prompt-lookup-decoding``) is invisible from outside: no ``/slots``, no
 ``/props``, no draft counts in responses (docs/engines.md).
 """
@@ -21,21 +22,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
-from types import TracebackType
-
-import httpx
 
 from specaudit.errors import BuildError, ServerError
-from specaudit.llama.server import (
-    _last_error,
-    _pdeathsig,
-    free_port,
-    log_tail,
-    stop_process_group,
-)
+from specaudit.llama.process import ManagedServer, last_error, log_tail
 from specaudit.paths import cache_root, file_lock
 
 VERSION = "0.3.36"
@@ -76,7 +67,7 @@ def _pip(*args: str, env: dict[str, str] | None = None, log: Path | None = None)
         out = stack.enter_context(log.open("ab")) if log else subprocess.DEVNULL
         rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
-        where = f" (log {log}: {_last_error(log_tail(log))})" if log else ""
+        where = f" (log {log}: {last_error(log_tail(log))})" if log else ""
         raise BuildError(f"pip {' '.join(args[:2])} {PACKAGE} failed with code {rc}{where}")
 
 
@@ -127,13 +118,18 @@ def install(version: str = VERSION, *, verbose: bool = False) -> Path:
     return wheel
 
 
-class LlamaCppPythonServer:
+class LlamaCppPythonServer(ManagedServer):
     """``python -m llama_cpp.server`` on a GGUF, ready when `__enter__` returns.
 
     `draft`: ``prompt-lookup-decoding`` (llama-cpp-python's only speculative mode) or None.
     One thread, a context of `n_ctx`, `logits_all` (its completions need it for logprobs);
-    `f32_cache`: an f32 KV cache (the context fixture's policy, `presets`).
+    `f32_cache`: an f32 KV cache (the context fixture's policy, `presets`). The lifecycle is
+    `ManagedServer`'s; ready once ``/v1/models`` answers (it has no ``/health``).
     """
+
+    ready_path = "/v1/models"
+    not_ready = "not ready"
+    poll_interval = 0.2
 
     def __init__(
         self,
@@ -147,26 +143,21 @@ class LlamaCppPythonServer:
         python: str = sys.executable,
         f32_cache: bool = False,
     ) -> None:
+        super().__init__(
+            name="llama_cpp.server", log_path=log_path, startup_timeout=startup_timeout
+        )
         self.model = Path(model)
         self.draft = draft
         self.pred_tokens = pred_tokens
         self.n_ctx = n_ctx
         self.python = python
         self.f32_cache = f32_cache
-        self.startup_timeout = startup_timeout
-        self.log_path = log_path or Path(tempfile.mkstemp(prefix="llama-cpp-python-")[1])
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
         out = [
             self.python, "-m", "llama_cpp.server",
             "--model", str(self.model),
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", self.host, "--port", str(self.port),
             "--n_ctx", str(self.n_ctx), "--n_threads", "1", "--n_threads_batch", "1",
             "--logits_all", "true", "--verbose", "false",
         ]  # fmt: skip
@@ -177,65 +168,13 @@ class LlamaCppPythonServer:
             out += ["--draft_model_num_pred_tokens", str(self.pred_tokens)]
         return out
 
-    def start(self) -> LlamaCppPythonServer:
+    def preflight(self) -> None:
         if not self.model.is_file():
             raise ServerError(f"model file not found: {self.model}")
         if installed_version() is None:
             raise ServerError(
                 f"{PACKAGE} is not installed (python -m specaudit.llama_cpp_python install)"
             )
-        self.port = free_port()
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {' '.join(self.argv())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_pdeathsig,
-            )
-        deadline = time.monotonic() + self.startup_timeout
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                rc = self.proc.poll()
-                if rc is not None:
-                    tail = log_tail(self.log_path)
-                    raise ServerError(
-                        f"llama_cpp.server exited with code {rc} during start-up "
-                        f"(log {self.log_path}): {_last_error(tail)}",
-                        tail,
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/v1/models").status_code == 200:
-                        return self
-                if time.monotonic() > deadline:
-                    raise ServerError(
-                        f"llama_cpp.server not ready after {self.startup_timeout:.0f}s "
-                        f"(log {self.log_path})",
-                        log_tail(self.log_path),
-                    )
-                time.sleep(0.2)
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL it; idempotent."""
-        stop_process_group(self.proc, grace)
-
-    def __enter__(self) -> LlamaCppPythonServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
