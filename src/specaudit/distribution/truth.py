@@ -1,8 +1,11 @@
-"""The ground truth: a fixture's next-token distributions, in closed form from its definition.
+"""The ground truth over the outcomes a `dist` sample can show, and how an engine's output
+becomes those outcomes.
 
-Never taken from the engine under test (see `specaudit.fixtures`). Also how an engine's output
-becomes outcomes (`encode_text`): one character per generated token, letters as themselves,
-anything a correct engine cannot produce as an outcome of probability 0.
+The closed form itself has one home, `specaudit.fixtures.truth` (`FixtureTruth`), never the
+engine under test; `Truth` here adds the two outcomes no fixture token is (`<end>`, `<other>`)
+and reports ambiguous or undefined settings as `DistError`. `encode_text` and `encode_ids` turn
+output into outcomes: one character per generated token, letters as themselves, anything a
+correct engine cannot produce as an outcome of probability 0.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from specaudit.distribution.results import (
     Workload,
     outcome_label,
 )
+from specaudit.fixtures.truth import FixtureTruth
 
 
-class Truth:
-    """Closed-form next-token distributions of a fixture, cached by generated prefix.
+class Truth(FixtureTruth):
+    """The fixture's truth (`FixtureTruth`) for a `dist` workload, over the outcomes a sample
+    can show, with `DistError` for settings whose truth is ambiguous or undefined.
 
     `next`, `draft_next` and `marginal` are arrays over `labels`, the fixture's tokens (letters,
     then BOS, EOS, UNK). The analysis works over `outcomes`: those, then two outcomes that are
@@ -34,117 +39,58 @@ class Truth:
     """
 
     def __init__(self, spec: fixtures.FixtureSpec, workload: Workload) -> None:
-        self.spec = spec
+        super().__init__(spec, workload.prompt, workload.sampler)
         self.workload = workload
-        self.labels: tuple[str, ...] = spec.tokens
-        self.index = {t: i for i, t in enumerate(self.labels)}
         self.outcomes: tuple[str, ...] = (*spec.tokens, END_LABEL, OTHER_LABEL)
         self._cells = {t: i for i, t in enumerate(spec.letters)}
         for tok, code in SPECIAL_CODES.items():
             self._cells[code] = self.index[tok]
         self._cells[END] = len(spec.tokens)
         self._other = len(spec.tokens) + 1
-        self._cache: dict[tuple[str, str], np.ndarray] = {}
-        self._marginals: dict[int, np.ndarray] = {}
+        self._padded: dict[tuple[str, str], np.ndarray] = {}
 
     def cell(self, ch: str) -> int:
         """Index in `outcomes` of one outcome character of a sample's text (`encode_text`)."""
         i = self._cells.get(ch)
         return self._other if i is None else i
 
-    def is_prefix(self, prefix: str) -> bool:
-        """Is `prefix` letters only (a context the fixture defines a next token after)?"""
-        letters = self.spec.letters
-        return all(ch in letters for ch in prefix)
+    def distribution(self, prefix: str, which: fixtures.Which = "target") -> np.ndarray:
+        try:
+            return super().distribution(prefix, which)
+        except fixtures.AmbiguousSamplingError as e:
+            raise DistError(f"ambiguous sampler settings for this fixture: {e}") from None
 
-    def _dist(self, prefix: str, which: fixtures.Which) -> np.ndarray:
-        """Over `outcomes` (the last two always 0); cached."""
+    def _over_outcomes(self, prefix: str, which: fixtures.Which) -> np.ndarray:
+        """`distribution` over `outcomes` (the last two always 0); cached."""
         key = (which, prefix)
-        p = self._cache.get(key)
+        p = self._padded.get(key)
         if p is None:
-            try:
-                d = fixtures.conditional_distribution(
-                    self.spec, self.workload.prompt, prefix, self.workload.sampler, which
-                )
-            except fixtures.AmbiguousSamplingError as e:
-                raise DistError(f"ambiguous sampler settings for this fixture: {e}") from None
-            p = np.array([d[t] for t in self.spec.tokens] + [0.0, 0.0], dtype=float)
-            self._cache[key] = p
+            p = np.append(self.distribution(prefix, which), [0.0, 0.0])
+            self._padded[key] = p
         return p
-
-    def next(self, prefix: str) -> np.ndarray:
-        """True distribution over `labels` of the token after prompt + `prefix`."""
-        return self._dist(prefix, "target")[: len(self.labels)]
 
     def p(self, prefix: str) -> np.ndarray:
         """`next` over `outcomes`."""
-        return self._dist(prefix, "target")
-
-    def draft_next(self, prefix: str) -> np.ndarray:
-        """The draft model's next-token distribution after prompt + `prefix` under the same
-        sampler (from the fixture's definition: its draft tables), over `labels`.
-
-        The direction a speculating engine's output leaks toward when verification is wrong.
-        Settings that are ambiguous for the draft alone (ties at a cut-off) are a DistError.
-        """
-        return self._dist(prefix, "draft")[: len(self.labels)]
+        return self._over_outcomes(prefix, "target")
 
     def draft_p(self, prefix: str) -> np.ndarray:
-        """`draft_next` over `outcomes`."""
-        return self._dist(prefix, "draft")
+        """`draft_next` over `outcomes`. Settings that are ambiguous for the draft alone (ties
+        at a cut-off) are a DistError."""
+        return self._over_outcomes(prefix, "draft")
 
     def joint(self, n: int) -> dict[str, float]:
         try:
-            return fixtures.sequence_distribution(
-                self.spec, self.workload.prompt, n, self.workload.sampler
-            )
+            return super().joint(n)
         except fixtures.AmbiguousSamplingError as e:
             raise DistError(f"ambiguous sampler settings for this fixture: {e}") from None
         except ValueError as e:
             raise DistError(f"joint distribution undefined: {e}") from None
 
     def marginal(self, t: int) -> np.ndarray:
-        """True distribution of the token at position t (1-based), averaged over prefixes.
-
-        A forward pass over the fixture's state (`FixtureSpec.state_key`): for the last-token
-        kind the last letter is all the past its logits see, so prefixes ending alike are
-        merged (at most one state per letter); for the context kind every generated prefix
-        is its own state (the fixtures are tiny and positions few: at most
-        letters^(t-1) of them, far fewer under top-k).
-        """
-        cached = self._marginals.get(t)
-        if cached is not None:
-            return cached
-        prompt = self.workload.prompt
-        # state key -> (a generated prefix with that state, its probability)
-        state: dict[str, tuple[str, float]] = {self.spec.state_key(prompt): ("", 1.0)}
-        letters = set(self.spec.letters)
-        for _ in range(t - 1):
-            nxt: dict[str, tuple[str, float]] = {}
-            for prefix, w in state.values():
-                for j, q in enumerate(self.next(prefix)):
-                    if q <= 0:
-                        continue
-                    tok = self.labels[j]
-                    if tok not in letters:
-                        raise DistError(f"special token {tok!r} is possible: generation may stop")
-                    longer = prefix + tok
-                    key = self.spec.state_key(prompt + longer)
-                    rep, acc = nxt.get(key, (longer, 0.0))
-                    nxt[key] = (rep, acc + w * float(q))
-            state = nxt
-        out = np.zeros(len(self.labels))
-        for prefix, w in state.values():
-            out += w * self.next(prefix)
-        self._marginals[t] = out
-        return out
-
-    def most_likely_prefix(self, length: int) -> str:
-        """The generated prefix of this length the target is most likely to produce."""
-        if length == 0:
-            return ""
-        d = self.joint(length)
-        return max(d, key=lambda s: (d[s], s))
+        try:
+            return super().marginal(t)
+        except ValueError as e:  # a special token is possible: generation may stop
+            raise DistError(str(e)) from None
 
 
 def stratum_key(p: np.ndarray) -> tuple[float, ...]:
