@@ -1,10 +1,12 @@
-"""A crash never reads as a result (issue 11, D4-D11): the CLI's guard and the validation
-that runs before any work.
+"""A crash never reads as a result: the CLI's guard and the validation that runs before any
+work.
 
 The guard (`specaudit.cli.run` + `specaudit.cli.crash`): an exception that is not a
 `SpecauditError` is a bug; one ``error:`` line names it and the file its (redacted) traceback
-went to, exit `EXIT_INTERNAL` (3), never Python's 1 (= finding). Each defect D4-D11 has a
-regression test here reproducing the issue's command; servers are fakes (tests/fakes.py).
+went to, exit `EXIT_INTERNAL` (3), never Python's 1 (= finding). Bad input (URLs, timeouts,
+temperatures, text that is not UTF-8, plot and cache paths, seed ranges) is one line, exit 2,
+before anything is sent; a server that never answers ends in one line too; huge seed ranges
+run in bounded memory. Servers are fakes (tests/fakes.py).
 In-process runs use the shared `cli` fixture (tests/conftest.py).
 """
 
@@ -17,7 +19,6 @@ import re
 import resource
 import subprocess
 import sys
-import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -218,7 +219,7 @@ def test_every_help_documents_the_internal_error_code(cli: CliFn, args: list[str
     assert "  3  internal error" in out and "130 interrupted" in out, out
 
 
-# ------------------------------------------------------------------- D4: malformed URLs
+# ------------------------------------------------------------------- malformed URLs
 
 
 @pytest.mark.parametrize(
@@ -230,31 +231,31 @@ def test_every_help_documents_the_internal_error_code(cli: CliFn, args: list[str
         ["dist", "--engine", "url", "--url", BAD_URL],
     ],
 )
-def test_d4_a_malformed_url_is_one_line_exit_2(cli: CliFn, args: list[str]) -> None:
+def test_a_malformed_url_is_one_line_exit_2(cli: CliFn, args: list[str]) -> None:
     assert "is not an http(s) URL" in one_error_line(cli(*args))
 
 
-def test_d4_the_proxy_never_exits_1_on_a_malformed_url(cli: CliFn) -> None:
+def test_the_proxy_never_exits_1_on_a_malformed_url(cli: CliFn) -> None:
     # The proxy's own URL check is its owner's (proxy/config.py); until it is one line with
     # exit 2, the guard keeps it from reading as a finding.
     code, _, err = cli("proxy", "--plain", BAD_URL, "--spec", "http://127.0.0.1:9")
     assert code in (2, 3) and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_d4_library_calls_reject_the_url_in_one_line(cache: Path) -> None:
+def test_library_calls_reject_a_malformed_url_in_one_line(cache: Path) -> None:
     with pytest.raises(check.CheckError, match=r"http\(s\) URL"):
         check.run(BAD_URL)
     with pytest.raises(ab.ABError, match=r"--plain: 'http://\[::1' is not an http\(s\) URL"):
         ab.run(BAD_URL, "http://127.0.0.1:9")
     with pytest.raises(distribution.DistError, match=r"--url"):
-        distribution.validate(["url"], url=BAD_URL)
+        distribution.make_request(["url"], url=BAD_URL)
 
 
-# ---------------------------------------------------------------- D5: timeouts
+# ---------------------------------------------------------------- timeouts
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e12"])
-def test_d5_check_rejects_a_bad_timeout_before_any_request(
+def test_check_rejects_a_bad_timeout_before_any_request(
     cli: CliFn, recorder: tuple[Recorder, Served], value: str
 ) -> None:
     rec, srv = recorder
@@ -262,7 +263,7 @@ def test_d5_check_rejects_a_bad_timeout_before_any_request(
     assert "--timeout" in line and rec.hits == []  # nothing sent to the live server
 
 
-def test_d5_a_valid_timeout_still_reaches_the_live_server(
+def test_a_valid_timeout_still_reaches_the_live_server(
     cli: CliFn, recorder: tuple[Recorder, Served]
 ) -> None:
     rec, srv = recorder
@@ -272,17 +273,17 @@ def test_d5_a_valid_timeout_still_reaches_the_live_server(
 
 
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
-def test_d5_library_check_rejects_a_bad_timeout(timeout: float) -> None:
+def test_library_check_rejects_a_bad_timeout(timeout: float) -> None:
     with pytest.raises(check.CheckError, match="--timeout"):
         check.run("http://127.0.0.1:9", timeout=timeout)
 
 
-# --------------------------------------------------------------- D6: temperatures
+# --------------------------------------------------------------- temperatures
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "inf", "-inf"])
 @pytest.mark.parametrize("command", ["check", "ab", "dist"])
-def test_d6_temperature_must_be_finite_and_non_negative_everywhere(
+def test_temperature_must_be_finite_and_non_negative_everywhere(
     cli: CliFn, recorder: tuple[Recorder, Served], command: str, value: str
 ) -> None:
     rec, srv = recorder
@@ -296,7 +297,7 @@ def test_d6_temperature_must_be_finite_and_non_negative_everywhere(
 
 
 @pytest.mark.parametrize("t", [float("nan"), -1.0, float("inf")])
-def test_d6_library_temperature_checks_agree(t: float) -> None:
+def test_library_temperature_checks_agree(t: float) -> None:
     with pytest.raises(check.CheckError, match="--temperature"):
         check.run("http://127.0.0.1:9", temperature=t)
     with pytest.raises(ab.ABError, match="--temperature"):
@@ -305,13 +306,13 @@ def test_d6_library_temperature_checks_agree(t: float) -> None:
         distribution.make_workload(SPEC, sampler=fixtures.SamplerSettings(temperature=t))
 
 
-# ------------------------------------------------------------ D7: text that is not UTF-8
+# ------------------------------------------------------------ text that is not UTF-8
 
 NOT_UTF8 = os.fsdecode(b"\xff\xfe")  # what Python makes of argv bytes that are not UTF-8
 
 
 @pytest.mark.parametrize("command", ["check", "ab"])
-def test_d7_a_prompt_that_is_not_utf8_is_one_line(
+def test_a_prompt_that_is_not_utf8_is_one_line(
     cli: CliFn, recorder: tuple[Recorder, Served], command: str
 ) -> None:
     rec, srv = recorder
@@ -323,7 +324,7 @@ def test_d7_a_prompt_that_is_not_utf8_is_one_line(
 
 
 @pytest.mark.parametrize("command", ["check", "ab"])
-def test_d7_as_a_process_with_raw_argv_bytes(
+def test_argv_bytes_that_are_not_utf8_are_one_line_in_a_process(
     recorder: tuple[Recorder, Served], command: str
 ) -> None:
     rec, srv = recorder
@@ -339,7 +340,7 @@ def test_d7_as_a_process_with_raw_argv_bytes(
     assert "--prompt" in line and "UTF-8" in line and rec.hits == []
 
 
-def test_d7_library_text_checks() -> None:
+def test_library_calls_reject_text_that_is_not_utf8() -> None:
     with pytest.raises(check.CheckError, match="--prompt is not valid UTF-8"):
         check.run("http://127.0.0.1:9", prompt=NOT_UTF8)
     with pytest.raises(ab.ABError, match="--prompt is not valid UTF-8"):
@@ -348,12 +349,12 @@ def test_d7_library_text_checks() -> None:
         check.run("http://127.0.0.1:9", api_key="clé")
 
 
-# ------------------------------------------------------------------- D8: plot paths
+# ------------------------------------------------------------------- plot paths
 
 
 @pytest.mark.parametrize("plot", [f"{PROC}/x.png", "FILE/x.png", "DIR"])
 @pytest.mark.parametrize("command", ["ab", "dist"])
-def test_d8_an_unwritable_plot_fails_before_any_sample(
+def test_an_unwritable_plot_fails_before_any_sample(
     cli: CliFn, recorder: tuple[Recorder, Served], tmp_path: Path, command: str, plot: str
 ) -> None:
     rec, srv = recorder
@@ -368,18 +369,18 @@ def test_d8_an_unwritable_plot_fails_before_any_sample(
     assert "--plot" in line and rec.generations == []
 
 
-def test_d8_library_calls_check_the_plot_before_sampling(
+def test_library_calls_check_the_plot_before_sampling(
     recorder: tuple[Recorder, Served], cache: Path
 ) -> None:
     rec, srv = recorder
     with pytest.raises(ab.ABError, match="--plot"):
         ab.run(srv.url, srv.url, ab.Settings(seeds=2, tokens=4), plot=f"{PROC}/x.png")
     with pytest.raises(distribution.DistError, match="--plot"):
-        distribution.run(["url"], url=srv.url, seeds=30, plot=Path(f"{PROC}/x.png"))
+        distribution.make_request(["url"], url=srv.url, seeds=30, plot=Path(f"{PROC}/x.png"))
     assert rec.hits == []
 
 
-def test_d8_a_writable_plot_directory_is_created_and_the_plot_written(
+def test_a_writable_plot_directory_is_created_and_the_plot_written(
     cli: CliFn, recorder: tuple[Recorder, Served], tmp_path: Path
 ) -> None:
     _, srv = recorder
@@ -392,23 +393,23 @@ def test_d8_a_writable_plot_directory_is_created_and_the_plot_written(
     assert plot.is_file()
 
 
-# ------------------------------------------------------------- D9: a hanging backend
+# ------------------------------------------------------------- a hanging backend
+# The bound is pytest's timeout (60 s): without the timeouts under test these commands wait for
+# the hanging server for 600 s or more, and the test fails; no elapsed time is asserted.
 
 
 @pytest.mark.timeout(60)
-def test_d9_ab_against_a_backend_that_never_answers_times_out_in_one_line(
+def test_ab_against_a_backend_that_never_answers_times_out_in_one_line(
     cli: CliFn, recorder: tuple[Recorder, Served]
 ) -> None:
     _, good = recorder
     with serve_tcp(_hang) as hanging:
-        t0 = time.monotonic()
         r = cli("ab", "--plain", hanging.url, "--spec", good.url, "--timeout", "1")
-        took = time.monotonic() - t0
-    assert "timed out" in one_error_line(r) and took < 20
+    assert "timed out" in one_error_line(r)
 
 
 @pytest.mark.timeout(60)
-def test_d9_the_slots_probe_gives_up_even_with_a_long_timeout(
+def test_the_slots_probe_gives_up_even_with_a_long_timeout(
     cli: CliFn, recorder: tuple[Recorder, Served], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from specaudit.ab import sampling
@@ -416,28 +417,131 @@ def test_d9_the_slots_probe_gives_up_even_with_a_long_timeout(
     monkeypatch.setattr(sampling, "PROBE_TIMEOUT", 1.0)
     _, good = recorder
     with serve_tcp(_hang) as hanging:
-        t0 = time.monotonic()
         r = cli("ab", "--plain", good.url, "--spec", hanging.url, "--timeout", "600")
-        took = time.monotonic() - t0
-    assert "timed out" in one_error_line(r) and took < 20
+    assert "timed out" in one_error_line(r)
 
 
 @pytest.mark.timeout(60)
-def test_d9_dist_has_a_timeout_too(cli: CliFn, cache: Path) -> None:
+def test_dist_against_a_backend_that_never_answers_times_out_in_one_line(
+    cli: CliFn, cache: Path
+) -> None:
     with serve_tcp(_hang) as hanging:
-        t0 = time.monotonic()
         r = cli("dist", "--engine", "url", "--url", hanging.url, "--timeout", "1")
-        took = time.monotonic() - t0
-    assert "timed out" in one_error_line(r) and took < 20
+    assert "timed out" in one_error_line(r)
 
 
-def test_d9_every_command_that_talks_to_a_server_has_a_timeout(cli: CliFn) -> None:
-    for command in ("check", "ab", "dist"):
-        code, out, _ = cli(command, "--help")
-        assert code == 0 and "--timeout" in out, command
+# Every command that talks to a server the user names gives up on one that accepts and never
+# answers. The commands run as processes: the bound is `subprocess.run(timeout=...)` (a hang
+# fails the test), and what is asserted is how each ends: its documented exit code and one
+# line naming the timeout. `matrix` and `audit` take no URL: they talk only to the llama-servers
+# they start themselves, whose start is bounded by `LlamaServer.startup_timeout` and whose
+# requests go through `check.run`, `ServerEngine` and `Client`, each with a finite timeout.
+BOUND = 120  # seconds any of these commands may take against a hanging server (--timeout 1)
 
 
-# -------------------------------------------------------- D10: huge --seeds, bounded memory
+def _specaudit(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "specaudit", *args],
+        capture_output=True,
+        text=True,
+        timeout=BOUND,
+        env={**os.environ, **(env or {})},
+    )
+    return r.returncode, r.stdout, r.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "{url}"],
+        ["ab", "--plain", "{url}", "--spec", "{url}"],
+        ["dist", "--engine", "url", "--url", "{url}"],
+    ],
+    ids=["check", "ab", "dist"],
+)
+def test_every_command_given_a_server_ends_with_a_one_line_timeout_against_one_that_never_answers(
+    command: list[str], cache: Path
+) -> None:
+    with serve_tcp(_hang) as hanging:
+        args = [a.replace("{url}", hanging.url) for a in command]
+        r = _specaudit(*args, "--timeout", "1", env={"SPECAUDIT_CACHE": str(cache)})
+    assert "timed out" in one_error_line(r, EXIT_NO_DECISION)
+
+
+class _AnswersNothing:
+    """A llama-server-like backend that answers /slots, /props and /health but never a
+    generation: what the proxy meets when a backend hangs mid-service."""
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/slots":
+            return web.json_response([{"id": 0, "speculative": False}])
+        if request.path in ("/props", "/health"):
+            return web.json_response({"status": "ok", "default_generation_settings": {}})
+        await asyncio.sleep(3600)
+        return web.json_response({})
+
+
+def _first_json(stream: Any, bound: float) -> dict[str, Any]:
+    """The first JSON object a process prints (maybe over several lines), or AssertionError
+    after `bound` seconds."""
+    import threading
+
+    got: list[dict[str, Any]] = []
+
+    def read() -> None:
+        text = ""
+        for line in stream:
+            text += line
+            try:
+                got.append(json.loads(text))
+                return
+            except json.JSONDecodeError:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(bound)
+    assert got, f"no JSON object printed within {bound}s"
+    return got[0]
+
+
+def test_the_proxy_answers_504_in_one_line_when_a_backend_never_answers(cache: Path) -> None:
+    """The proxy keeps serving (it ends on SIGTERM, exit 0); its timeout is per request:
+    --read-timeout turns a backend's silence into a 504 whose body names it."""
+    import httpx
+
+    with serve(_AnswersNothing()) as backend:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "specaudit", "proxy", "--plain", backend.url,
+                "--spec", backend.url, "--listen", "127.0.0.1:0", "--read-timeout", "1",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "SPECAUDIT_CACHE": str(cache)},
+        )  # fmt: skip
+        try:
+            listening = _first_json(proc.stdout, BOUND)
+            assert listening["event"] == "listening", listening
+            body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+            for extra in ({}, {"logprobs": True, "top_logprobs": 2}):  # spec, then plain
+                r = httpx.post(
+                    listening["url"] + "/v1/chat/completions",
+                    json={**body, **extra},
+                    timeout=BOUND,
+                )
+                assert r.status_code == 504, r.text
+                assert "sent nothing for 1s" in r.text and "\n" not in r.text.strip(), r.text
+        finally:
+            proc.terminate()
+            out, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+# -------------------------------------------------------- huge --seeds, bounded memory
 
 
 class _ClosedForm:
@@ -480,7 +584,7 @@ class _Watched(_ClosedForm):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sequential", [False, True])
-def test_d10_memory_does_not_grow_while_sampling(sequential: bool) -> None:
+def test_memory_does_not_grow_while_sampling(sequential: bool) -> None:
     eng = _Watched(WL, at=(1_000, 3_000))
     tracemalloc.start()
     try:
@@ -493,10 +597,10 @@ def test_d10_memory_does_not_grow_while_sampling(sequential: bool) -> None:
     assert growth < 150_000, growth
 
 
-def test_d10_run_never_materialises_the_seed_range(
+def test_run_never_materialises_the_seed_range(
     monkeypatch: pytest.MonkeyPatch, cache: Path
 ) -> None:
-    from specaudit.distribution import runner
+    from specaudit.distribution import builtin, runner
 
     seen: list[Any] = []
 
@@ -508,14 +612,17 @@ def test_d10_run_never_materialises_the_seed_range(
         seen.append(seeds)
         raise SpecauditError("stop here")
 
-    monkeypatch.setattr(runner, "ServerEngine", Eng)
+    monkeypatch.setattr(builtin, "ServerEngine", Eng)
     monkeypatch.setattr(runner, "measure", fake_measure)
     with pytest.raises(SpecauditError, match="stop here"):
-        distribution.run(["url"], url="http://127.0.0.1:9", seeds=1_000_000_000, sequential=True)
+        req = distribution.make_request(
+            ["url"], url="http://127.0.0.1:9", seeds=1_000_000_000, sequential=True
+        )
+        distribution.run(req)
     assert seen == [range(1, 1_000_000_001)]
 
 
-def test_d10_the_tally_gives_the_same_result_as_the_samples() -> None:
+def test_the_tally_gives_the_same_result_as_the_samples() -> None:
     wl = distribution.make_workload(SPEC)
     eng = _ClosedForm(wl)
 
@@ -533,7 +640,7 @@ def test_d10_the_tally_gives_the_same_result_as_the_samples() -> None:
 
 
 def _limit_memory() -> None:
-    cap = 3 * 1024**3  # the issue's `ulimit -v 3000000`
+    cap = 3 * 1024**3  # `ulimit -v 3000000`
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
@@ -544,9 +651,10 @@ def _impossible_first_letter() -> str:
 
 
 @pytest.mark.timeout(120)
-def test_d10_a_billion_sequential_seeds_run_in_bounded_memory(tmp_path: Path) -> None:
-    """The issue's command under a 3 GB address-space cap: it used to die in MemoryError
-    (`list(range(...))`); now it samples, and stops at the first decisive sample."""
+def test_a_billion_sequential_seeds_run_in_bounded_memory(tmp_path: Path) -> None:
+    """`dist --seeds 1000000000 --sequential` under a 3 GB address-space cap: it used to die
+    in MemoryError (`list(range(...))`); now it samples, and stops at the first decisive
+    sample."""
     rec = Recorder(text=_impossible_first_letter() * 3)
     with serve(rec) as srv:
         r = subprocess.run(
@@ -562,11 +670,11 @@ def test_d10_a_billion_sequential_seeds_run_in_bounded_memory(tmp_path: Path) ->
     assert 1 <= len(rec.generations) < 1000
 
 
-def test_d10_seeds_past_the_uint32_seed_range_are_rejected(cli: CliFn, cache: Path) -> None:
+def test_seeds_past_the_uint32_seed_range_are_rejected(cli: CliFn, cache: Path) -> None:
     line = one_error_line(cli("dist", "--engine", "url", "--url", "http://h", "--seeds", "9" * 12))
     assert "--seeds" in line
     with pytest.raises(distribution.DistError, match="uint32"):
-        distribution.validate(["url"], url="http://h", seeds=2**32 - 10, seed_start=100)
+        distribution.make_request(["url"], url="http://h", seeds=2**32 - 10, seed_start=100)
 
 
 def test_ab_seeds_are_capped_where_memory_grows_with_them(cli: CliFn) -> None:
@@ -577,18 +685,18 @@ def test_ab_seeds_are_capped_where_memory_grows_with_them(cli: CliFn) -> None:
         ab.Settings(seeds=ab.MAX_SEEDS + 1)
 
 
-# ----------------------------------------------------------------- D11: unusable paths
+# ----------------------------------------------------------------- unusable paths
 
 
 @pytest.mark.parametrize("where", ["proc", "file"])
-def test_d11_an_unusable_cache_is_one_line_exit_2(cli: CliFn, tmp_path: Path, where: str) -> None:
+def test_an_unusable_cache_is_one_line_exit_2(cli: CliFn, tmp_path: Path, where: str) -> None:
     root = PROC if where == "proc" else str(tmp_path / "a-file")
     (tmp_path / "a-file").write_text("")
     line = one_error_line(cli("llama", "path", env={"SPECAUDIT_CACHE": root}))
     assert line.startswith(f"error: SPECAUDIT_CACHE={root}: cannot create the cache directory")
 
 
-def test_d11_the_issue_command_as_a_process() -> None:
+def test_an_unusable_cache_is_one_line_exit_2_in_a_process() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "specaudit", "llama", "path"],
         capture_output=True, text=True, timeout=60,
@@ -598,7 +706,7 @@ def test_d11_the_issue_command_as_a_process() -> None:
 
 
 @pytest.mark.parametrize("where", [PROC, f"{PROC}/x", "FILE", "FILE/sub"])
-def test_d11_fixtures_build_into_an_unusable_directory(
+def test_fixtures_build_into_an_unusable_directory_is_one_line(
     cli: CliFn, tmp_path: Path, where: str
 ) -> None:
     (tmp_path / "FILE").write_text("")
@@ -607,7 +715,7 @@ def test_d11_fixtures_build_into_an_unusable_directory(
     assert "DIRECTORY" in line and ("is a file" in line or "not a writable directory" in line)
 
 
-def test_d11_audit_out_is_checked_before_anything_is_built(
+def test_audit_out_is_checked_before_anything_is_built(
     cli: CliFn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from specaudit.cli import audit_cmd
@@ -620,7 +728,9 @@ def test_d11_audit_out_is_checked_before_anything_is_built(
     assert "unknown section" in one_error_line(cli("audit", "--only", "nope"))
 
 
-def test_d11_library_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_library_calls_reject_unusable_paths_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from specaudit import audit
 
     monkeypatch.setenv("SPECAUDIT_CACHE", PROC)
