@@ -14,6 +14,7 @@ import pytest
 
 from specaudit import fixtures as fx
 from specaudit.errors import SpecauditError
+from specaudit.fixtures import writer
 
 # Pinned digests of the default fixture. If these change, every recorded audit that names the
 # fixture by hash changes meaning: bump FORMAT_VERSION and say why.
@@ -108,6 +109,17 @@ def test_other_spec_has_other_numbers_and_is_deterministic(tmp_path: Path) -> No
     fs1, fs2 = fx.build(tmp_path / "1", o), fx.build(tmp_path / "2", o)
     assert fs1.sha256 == fs2.sha256 != fx.build(tmp_path / "3").sha256
     assert fx.load(fs1.dir).spec == o
+
+
+def test_every_fixture_kind_has_a_canned_spec_tensors_and_a_writer() -> None:
+    """A kind added to KINDS without its writer entries (see the package docstring) fails
+    here, not when a user first builds it."""
+    assert set(writer.TENSORS) == set(fx.KINDS) == set(writer.WRITERS)
+    for kind in fx.KINDS:
+        spec = fx.spec_for_kind(kind)
+        assert spec.kind == kind
+        names = [name for name, _ in writer.tensors(spec, "target")]
+        assert names[:3] == ["token_embd.weight", "output_norm.weight", "output.weight"]
 
 
 # --------------------------------------------------------------------------------------
