@@ -1,4 +1,4 @@
-"""Mutation testing of `specaudit dist` with real builds (issue 12, item 6).
+"""Mutation testing of `specaudit dist` with real builds: a broken speculative path is caught.
 
 Three bundled mutants of llama.cpp b11434's speculative path (src/specaudit/patches/llama.cpp/
 b11434/mutants/, docs/mutants.md), each built as its own cache entry (an incremental rebuild of

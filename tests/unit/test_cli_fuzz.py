@@ -290,7 +290,7 @@ PROCESS_CASES: list[list[bytes]] = [
     [b"ab", b"--plain", CLOSED.encode(), b"--spec", CLOSED.encode(), b"--prompt", b"\xff"],
     [b"ab", b"--spec-type", b"\xfe"],
     [b"dist", b"--engine", b"url", b"--url", CLOSED.encode(), b"--prompt", b"\xff"],
-    # D10: a billion seeds used to be a list first (MemoryError under the cap)
+    # a billion seeds used to be a list first (MemoryError under the cap)
     [
         b"dist",
         b"--engine",

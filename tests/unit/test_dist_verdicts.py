@@ -1,4 +1,4 @@
-"""What `specaudit dist`'s verdicts certify (issue 12, items 2, 3 and 6), on synthetic samples
+"""What `specaudit dist`'s verdicts certify, on synthetic samples
 drawn from the closed form with numpy (fixed seeds, no server).
 
 - PRESERVED rests on one-sided bounds of each position's prefix-averaged next-token TV and of
