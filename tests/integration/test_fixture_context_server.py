@@ -2,13 +2,12 @@
 next-token distribution depends on the whole context (and positions) agrees with the plain
 server's reported probabilities, and speculation keeps its sampling distribution.
 
-Each server is started once for this module (module-scoped fixtures, `dist.spawn_server`,
+Each server is started once for this module (module-scoped fixtures, `distribution.spawn_server`,
 which sizes context-fixture servers by presets' "fixture-context" policy).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator
 
@@ -142,10 +141,6 @@ def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet)
     assert res.accepted is not None and 0 < res.accepted < res.drafted
 
 
-@pytest.mark.skipif(
-    "draft_sampling" not in inspect.signature(distribution.spawn_server).parameters,
-    reason="dist.spawn_server has no draft_sampling keyword",
-)
 def test_probabilistic_draft_server_preserves(
     llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet
 ) -> None:
@@ -160,11 +155,13 @@ def test_probabilistic_draft_server_preserves(
 def test_run_with_fixture_kind_context(
     plain_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """`dist.run(fixture_kind="context")` builds the context fixture itself and tests with it."""
+    """A request with `fixture_kind="context"` builds the context fixture itself and tests
+    with it."""
     work = tmp_path_factory.mktemp("dist-run-context")
-    res = distribution.run(
+    req = distribution.make_request(
         ["url"], url=plain_url, fixture_kind="context", seeds=300, tolerance=0.3, work_dir=work
     )
+    res = distribution.run(req)
     assert res.fixture == fixtures.context_spec().name
     assert res.fixture_dir == work / "context"
     (eng,) = res.engines
