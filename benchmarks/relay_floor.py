@@ -54,9 +54,9 @@ class Downstream(asyncio.Protocol):
         if self.closed:
             up.close()
             return
-        self.up = up  # type: ignore[assignment]
+        self.up = up
         for d in self.pending:
-            up.write(d)  # type: ignore[attr-defined]
+            up.write(d)
         self.pending.clear()
 
     def data_received(self, data: bytes) -> None:

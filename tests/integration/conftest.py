@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from specaudit import audit, llama
+from specaudit import audit, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import Patch
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def audit_ctx(
     """One AuditContext for the whole session: its servers are started once, on demand."""
     out = tmp_path_factory.mktemp("audit")
 
-    def ensure(build: int, patches: tuple[str, ...]) -> LlamaBinaries:
+    def ensure(build: int, patches: tuple[Patch, ...]) -> LlamaBinaries:
         return llama_bins if not patches else llama.ensure(build, patches, progress=_progress)
 
     with audit.AuditContext(out, ensure_bins=ensure) as ctx:
@@ -66,7 +67,7 @@ def audit_ctx(
 
 
 @pytest.fixture(scope="session")
-def fixture_set(audit_ctx: audit.AuditContext):  # type: ignore[no-untyped-def]
+def fixture_set(audit_ctx: audit.AuditContext) -> fixtures.FixtureSet:
     return audit_ctx.fixture
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specaudit import audit
+from specaudit import audit, fixtures
 from specaudit.audit.sections import servers
 from specaudit.errors import ServerError
 from specaudit.llama import LlamaBinaries, LlamaServer, presets
@@ -76,7 +76,9 @@ def _listening(port: int) -> list[str]:
     return out
 
 
-def test_server_binds_loopback_and_stops(llama_bins: LlamaBinaries, fixture_set) -> None:  # type: ignore[no-untyped-def]
+def test_server_binds_loopback_and_stops(
+    llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet
+) -> None:
     with presets.server(llama_bins, fixture_set.target, kind="fixture", parallel=1) as srv:
         assert srv.host == "127.0.0.1"
         assert httpx.get(f"{srv.url}/health").status_code == 200
@@ -128,8 +130,8 @@ def _child_script(bins: LlamaBinaries, model: Path, body: str) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_no_orphan_when_the_parent_is_interrupted_or_killed(
     llama_bins: LlamaBinaries,
-    fixture_set,
-    sig: signal.Signals,  # type: ignore[no-untyped-def]
+    fixture_set: fixtures.FixtureSet,
+    sig: signal.Signals,
 ) -> None:
     """Ctrl-C, SIGTERM (via the CLI's handler semantics) and even SIGKILL of the parent."""
     script = _child_script(llama_bins, Path(fixture_set.target), "time.sleep(120)\n")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specaudit import ab, check, distribution
+from specaudit import ab, check, distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import patched
 from specaudit.stats import Verdict
@@ -24,8 +24,8 @@ def _url(server: Callable[[str], object], name: str) -> str:
 
 
 def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
-    server: Callable[[str], object], fixture_set, cli: CliFn
-) -> None:  # type: ignore[no-untyped-def]
+    server: Callable[[str], object], fixture_set: fixtures.FixtureSet, cli: CliFn
+) -> None:
     url = _url(server, "fixture-spec-patched")
     code, out, err = cli("check", url, "--prompt", fixture_set.spec.prompt, "--json")
     assert code == 0, out[-3000:] + err[-1000:]
@@ -52,8 +52,8 @@ def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], object]) ->
 
 
 def test_ab_patched_spec_against_plain_is_consistent(
-    server: Callable[[str], object], fixture_set
-) -> None:  # type: ignore[no-untyped-def]
+    server: Callable[[str], object], fixture_set: fixtures.FixtureSet
+) -> None:
     settings = ab.Settings(seeds=5, tokens=32, prompt=fixture_set.spec.prompt, endpoint="chat")
     res = ab.run(_url(server, "fixture-plain"), _url(server, "fixture-spec-patched"), settings)
     assert res.spec.coverage == 1.0 and res.plain.coverage == 1.0
@@ -65,8 +65,8 @@ def test_ab_patched_spec_against_plain_is_consistent(
 
 
 def test_dist_on_the_patched_server_is_still_preserved(
-    server: Callable[[str], object], fixture_set
-) -> None:  # type: ignore[no-untyped-def]
+    server: Callable[[str], object], fixture_set: fixtures.FixtureSet
+) -> None:
     spec = fixture_set.spec
     wl = distribution.make_workload(spec)
     eng = distribution.ServerEngine(

@@ -6,6 +6,7 @@ import asyncio
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,11 +21,20 @@ SPEC = fixtures.default_spec()
 WL = distribution.make_workload(SPEC)
 
 
-def draw(spec: fixtures.FixtureSpec, wl: distribution.Workload, n: int, seed: int, bend=None):  # type: ignore[no-untyped-def]
+Bend = Callable[[str, np.ndarray], np.ndarray]
+
+
+def draw(
+    spec: fixtures.FixtureSpec,
+    wl: distribution.Workload,
+    n: int,
+    seed: int | np.random.Generator,
+    bend: Bend | None = None,
+) -> list[distribution.Sample]:
     """Samples drawn from the closed form itself (optionally bent by `bend(prefix, p)`)."""
     truth = distribution.Truth(spec, wl)
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[distribution.Sample] = []
     for i in range(n):
         text = ""
         for _ in range(wl.tokens):
@@ -273,7 +283,7 @@ def test_engine_errors_propagate_and_close_the_engine() -> None:
         ({"sampler": fixtures.SamplerSettings(temperature=-1.0)}, "--temperature"),
     ],
 )
-def test_bad_workloads(kw: dict, msg: str) -> None:  # type: ignore[type-arg]
+def test_bad_workloads(kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(distribution.DistError, match=msg):
         distribution.make_workload(SPEC, **kw)
 
@@ -281,13 +291,13 @@ def test_bad_workloads(kw: dict, msg: str) -> None:  # type: ignore[type-arg]
 def test_bad_engines_and_numbers(tmp_path: Path) -> None:
     fs = fixtures.build(tmp_path / "fx")
     with pytest.raises(distribution.DistError, match="unknown engine"):
-        distribution.validate(["vllm"], fixture=fs)
+        distribution.make_request(["vllm"], fixture=fs)
     with pytest.raises(distribution.DistError, match="needs --url"):
-        distribution.validate(["url"], fixture=fs)
+        distribution.make_request(["url"], fixture=fs)
     with pytest.raises(distribution.DistError, match="--seeds"):
-        distribution.validate(["server"], fixture=fs, seeds=0)
+        distribution.make_request(["server"], fixture=fs, seeds=0)
     with pytest.raises(distribution.DistError, match="--alpha"):
-        distribution.validate(["server"], fixture=fs, alpha=0)
+        distribution.make_request(["server"], fixture=fs, alpha=0)
 
 
 def test_missing_and_corrupt_fixtures(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ yields, and every bad file as one `error:` line with exit 2."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ model_list:
     litellm_params: {model: gpt-4o-mini}
 router_settings: {routing_strategy: simple-shuffle}
 """
+
+CliFn = Callable[..., tuple[int, str, str]]
 
 
 def test_reads_every_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,8 +52,8 @@ def test_reads_every_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     ],
 )
 def test_bad_configs_are_one_line_exit_2(
-    tmp_path: Path, cli, text: str, needle: str, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, cli: CliFn, text: str, needle: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("FLEET_KEY", raising=False)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
@@ -69,11 +72,11 @@ def test_unset_key_is_that_deployments_no_decision(
     deps = fleet.read_litellm_config(tmp_path / "c.yaml")
     assert deps[0].url is None and deps[0].error and "FLEET_KEY, which is unset" in deps[0].error
     assert deps[1].url == "http://127.0.0.1:8080" and deps[2].skip_reason
-    row = fleet._one(deps[0], {}, lambda *a, **k: None)  # type: ignore[arg-type,return-value]
+    row = fleet._one(deps[0], {}, lambda *a, **k: None)  # type: ignore[arg-type]
     assert row.status == "no decision" and row.exit_code == 2 and "unset" in row.reason
 
 
-def test_missing_file_and_no_url(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+def test_missing_file_and_no_url(tmp_path: Path, cli: CliFn) -> None:
     code, _, err = cli("check", "--litellm-config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "does not exist" in err
     code, _, err = cli("check")
