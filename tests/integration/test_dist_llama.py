@@ -135,8 +135,11 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
 def test_dist_run_server_every_path(
     llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet, tmp_path: Path
 ) -> None:
-    """`dist.run(["server"])`: one llama-server per path, each row labelled with its path."""
-    res = distribution.run(["server"], fixture=fixture_set, binaries=llama_bins, work_dir=tmp_path)
+    """The server engine: one llama-server per path, each row labelled with its path."""
+    req = distribution.make_request(
+        ["server"], fixture=fixture_set, binaries=llama_bins, work_dir=tmp_path
+    )
+    res = distribution.run(req)
     assert [e.path for e in res.engines] == list(distribution.PATHS)
     by_path = {e.path: e for e in res.engines}
     for e in res.engines:

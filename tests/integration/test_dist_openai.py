@@ -39,7 +39,9 @@ def test_fleet_spreads_seeds_and_keeps_seed_order(
     # the plain and the speculating server give the same sample for a seed: a fleet of the
     # two must give exactly one server's samples, in seed order
     urls = [server("fixture-plain").url, server("fixture-spec").url]
-    res = distribution.run(["openai"], fixture=fixture_set, url=urls, seeds=400)
+    res = distribution.run(
+        distribution.make_request(["openai"], fixture=fixture_set, url=urls, seeds=400)
+    )
     (e,) = res.engines
     assert e.verdict in (Verdict.PRESERVED, Verdict.INCONCLUSIVE), e.reason
     assert e.verdict is not Verdict.BROKEN
@@ -52,7 +54,9 @@ def test_fleet_spreads_seeds_and_keeps_seed_order(
     assert [s.text for s in got] == [s.text for s in one]
     assert all(n > 50 for n in fleet.served), fleet.served  # both servers answered
     # the same through the native engine (--engine url, repeatable --url)
-    res_url = distribution.run(["url"], fixture=fixture_set, url=urls, seeds=400)
+    res_url = distribution.run(
+        distribution.make_request(["url"], fixture=fixture_set, url=urls, seeds=400)
+    )
     assert res_url.engines[0].n_samples == 400
     assert res_url.engines[0].verdict is e.verdict
 

@@ -29,7 +29,8 @@ def test_every_generator_keeps_the_distribution(
     kind: str, fixture_set: fixtures.FixtureSet, context_fixture: fixtures.FixtureSet
 ) -> None:
     fs = fixture_set if kind == "last-token" else context_fixture
-    res = distribution.run(["transformers"], fixture=fs, seeds=600, **SMALL)  # type: ignore[arg-type]
+    req = distribution.make_request(["transformers"], fixture=fs, seeds=600, **SMALL)  # type: ignore[arg-type]
+    res = distribution.run(req)
     assert [e.kind for e in res.engines] == [f"transformers-{g}" for g in hf.GENERATORS]
     for e in res.engines:
         assert e.verdict is Verdict.WITHIN_TOLERANCE, (e.engine, e.reason)

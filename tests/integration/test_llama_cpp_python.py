@@ -35,7 +35,8 @@ def test_server_is_the_pinned_build(lcp_server: lcp.LlamaCppPythonServer) -> Non
 def test_dist_openai_on_llama_cpp_python(
     lcp_server: lcp.LlamaCppPythonServer, fixture_set: fixtures.FixtureSet
 ) -> None:
-    res = distribution.run(["openai"], fixture=fixture_set, url=lcp_server.url, seeds=1000)
+    req = distribution.make_request(["openai"], fixture=fixture_set, url=lcp_server.url, seeds=1000)
+    res = distribution.run(req)
     (e,) = res.engines
     assert e.verdict is Verdict.PRESERVED, e.reason
     assert e.drafted is None  # it does not say what it drafted
@@ -50,7 +51,9 @@ def test_dist_openai_on_llama_cpp_python_context_fixture(
         Path(cfs.target), log_path=tmp_path / "lcp-context.log", f32_cache=True
     )
     with srv:
-        res = distribution.run(["openai"], fixture=cfs, url=srv.url, seeds=1000)
+        res = distribution.run(
+            distribution.make_request(["openai"], fixture=cfs, url=srv.url, seeds=1000)
+        )
     (e,) = res.engines
     assert e.verdict is Verdict.PRESERVED, e.reason
 

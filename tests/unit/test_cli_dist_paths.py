@@ -129,8 +129,11 @@ def test_cli_passes_paths_and_fixture_kind_to_dist_run(
 
     seen: dict[str, Any] = {}
 
-    def fake_run(engines: Any, **kw: Any) -> None:
-        seen.update(kw, engines=engines)
+    def fake_run(req: distribution.DistRequest, **kw: Any) -> None:
+        seen.update(
+            engines=req.engines, fixture_kind=req.fixture_kind, paths=req.option("paths"),
+            fixture=req.fixture, binaries=req.binaries,
+        )  # fmt: skip
         raise distribution.DistError("stop here")
 
     fake_bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
@@ -143,7 +146,7 @@ def test_cli_passes_paths_and_fixture_kind_to_dist_run(
     assert code == 2 and "stop here" in err
     assert seen["engines"] == ("server",)
     assert seen["fixture_kind"] == "context" and seen["paths"] == ("greedy", "ngram")
-    assert seen["fixture"].spec.kind == "context"
+    assert seen["fixture"].spec.kind == "context" and seen["binaries"] is fake_bins
     seen.clear()
     code, _, _ = cli("dist", "--engine", "server", "--seeds", "5")
     assert seen["paths"] is None and seen["fixture_kind"] is None  # every path, last-token
@@ -195,7 +198,9 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     started = _fake_servers(monkeypatch)
     measured = _fake_measure(monkeypatch)
     bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
+    res = distribution.run(
+        distribution.make_request(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
+    )
     assert [e.path for e in res.engines] == list(distribution.PATHS)
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
@@ -220,10 +225,16 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
     _fake_servers(monkeypatch)
     _fake_measure(monkeypatch)
     bins = llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="stock")
-    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, paths=("ngram",))
+    req = distribution.make_request(
+        ("server",), binaries=bins, work_dir=tmp_path, seeds=5, paths=("ngram",)
+    )
+    res = distribution.run(req)
     assert [e.path for e in res.engines] == ["ngram"]
     greedy = fixtures.SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=0.0)
-    res = distribution.run(("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy)
+    req = distribution.make_request(
+        ("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy
+    )
+    res = distribution.run(req)
     assert [e.path for e in res.engines] == ["plain", "greedy", "ngram"]
     assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
 
@@ -237,10 +248,10 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
         ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
     ],
 )
-def test_run_checks_paths(kw: dict[str, Any], match: str, tmp_path: Path) -> None:
+def test_the_request_checks_paths(kw: dict[str, Any], match: str, tmp_path: Path) -> None:
     engines = kw.pop("engines", ("server",))
     with pytest.raises(distribution.DistError, match=match):
-        distribution.run(engines, work_dir=tmp_path, seeds=5, **kw)
+        distribution.make_request(engines, work_dir=tmp_path, seeds=5, **kw)
 
 
 def test_spawn_server_path_and_legacy_keywords(

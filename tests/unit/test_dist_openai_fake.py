@@ -82,6 +82,6 @@ def test_short_text_is_an_outcome_not_an_error() -> None:
 
 def test_url_and_openai_need_url_and_url_needs_them() -> None:
     with pytest.raises(distribution.DistError, match="--engine openai needs --url"):
-        distribution.run(["openai"], fixture=distribution.load_fixture(None), seeds=10)
+        distribution.make_request(["openai"], fixture=distribution.load_fixture(None), seeds=10)
     with pytest.raises(distribution.DistError, match="--url applies"):
-        distribution.run(["server"], url=["http://127.0.0.1:1"], seeds=10)
+        distribution.make_request(["server"], url=["http://127.0.0.1:1"], seeds=10)

@@ -391,12 +391,13 @@ def test_load_fixture_by_kind(tmp_path: Path) -> None:
         distribution.load_fixture(fs.dir, kind="last-token")
     with pytest.raises(DistError, match="--fixture-kind must be one of last-token, context"):
         distribution.load_fixture(None, tmp_path, kind="bigram")
-    f2, wl = distribution.validate(
+    req = distribution.make_request(
         ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="context"
     )
+    f2, wl = req.fixture, req.workload
     assert f2 is fs and wl.prompt == "bcdbc"
     with pytest.raises(DistError, match="not 'last-token'"):
-        distribution.validate(
+        distribution.make_request(
             ["url"], url="http://127.0.0.1:9", fixture=fs, fixture_kind="last-token"
         )
 

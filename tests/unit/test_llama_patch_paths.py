@@ -350,9 +350,9 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = _mine(tmp_path)
-    asked: list[tuple[str, ...]] = []
+    asked: list[tuple[Patch, ...]] = []
 
-    def fake_ensure(*a: Any, patches: tuple[str, ...] = (), **k: Any) -> llama.LlamaBinaries:
+    def fake_ensure(*a: Any, patches: tuple[Patch, ...] = (), **k: Any) -> llama.LlamaBinaries:
         asked.append(patches)
         return llama.LlamaBinaries(
             bin_dir=tmp_path, build=B, variant="x", patches=build.as_patches(patches, B)
@@ -372,7 +372,7 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
             ("speculative-example",), patches=(str(p), "mutants/s2"), work_dir=tmp_path
         )
         distribution.run(req)
-    assert asked == [(str(p.resolve()), "mutants/s2")]
+    assert [tuple(x.name for x in a) for a in asked] == [(str(p.resolve()), "mutants/s2")]
     assert labels == ["llama-speculative [mine+mutant-s2]"]
 
 

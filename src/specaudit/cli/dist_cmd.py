@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -14,7 +13,6 @@ from specaudit.cli.common import (
     WRITABLE_FILE,
     FiniteFloat,
     SafePath,
-    choice_option,
     console,
     emit_json,
     ensure_binaries,
@@ -30,6 +28,9 @@ from specaudit.cli.common import (
 )
 from specaudit.outcome import EXIT_TAIL_HELP, Outcome
 from specaudit.validate import MAX_INT32
+
+if TYPE_CHECKING:
+    from specaudit.llama.patches import Patch
 
 PATHS_HELP = (
     "\b\nVerification paths (--engine server runs one llama-server per path, --path picks):\n"
@@ -109,52 +110,70 @@ def render(res: distribution.DistResult) -> None:
 
 def _known_patches(
     ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
-) -> tuple[str, ...]:
-    """--patch: a bundled patch or mutant, or a .patch file (made absolute), checked now."""
-    from specaudit import llama
+) -> tuple[Patch, ...]:
+    """--patch: a bundled patch or mutant, or a .patch file, resolved (read) once, now."""
     from specaudit.errors import BuildError
+    from specaudit.llama.patches import resolve_all
 
     try:
-        return tuple(llama.check_patch(name) for name in value)
+        return resolve_all(value)
     except BuildError as e:
         raise click.BadParameter(str(e), ctx, param) from None
 
 
-@click.command("dist", epilog=PATHS_HELP + DIST_EXIT_HELP)
-@click.option(
-    "--engine",
-    "engines",
-    type=click.Choice(distribution.ENGINES),
-    multiple=True,
-    help="Engine(s) to test, repeatable [default: server and speculative-example]. server: "
-    "llama-servers spawned on the fixture, one per verification path (--path); "
-    "speculative-example: "
-    "llama.cpp's llama-speculative, one process per seed; url: a running llama-server (--url); "
-    "openai: a running OpenAI-compatible server (--url, /v1/completions); transformers: "
-    "Hugging Face generate() with speculative decoding on CPU (--generator; needs "
-    "specaudit[transformers]).",
-)
+class _EngineChoice(click.Choice):
+    """--engine: one of the engines registered when the command runs (`dist.registry`)."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return distribution.registry.names()
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        pass
+
+
+class _DistCommand(click.Command):
+    """`dist` with each registered engine's own options (`EngineOption`), after --url."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        at = next(i for i, p in enumerate(params) if p.name == "url") + 1
+        own = [
+            click.Option(
+                [opt.flag, opt.param], type=click.Choice(opt.choices), multiple=True, help=opt.help
+            )
+            for _, opt in distribution.registry.options()
+        ]
+        return params[:at] + own + params[at:]
+
+
+def _engine_help() -> str:
+    entries = distribution.registry.entries()
+    return (
+        "Engine(s) to test, repeatable [default: server and speculative-example]. "
+        + "; ".join(f"{e.name}: {e.help}" for e in entries)
+        + "."
+    )
+
+
+@click.command("dist", cls=_DistCommand, epilog=PATHS_HELP + DIST_EXIT_HELP)
+@click.option("--engine", "engines", type=_EngineChoice(), multiple=True, help=_engine_help())
 @click.option(
     "--url",
-    "urls",
+    "url",
     type=URL,
     multiple=True,
     help="Base URL of a running server (--engine url: llama-server's native /completion; "
     "--engine openai: any /v1/completions server). Repeatable: identical servers share the "
     "seeds.",
 )
-@choice_option(
-    "--generator",
-    param="generators",
-    choices=distribution.hf.GENERATORS,
-    multiple=True,
-    help="Candidate generator(s) of --engine transformers, repeatable [default: all]: "
-    + "; ".join(f"{g}: {h}" for g, h in distribution.hf.GENERATOR_HELP.items())
-    + ".",
-)
 @click.option(
     "--fixture",
-    "fixture_dir",
+    "fixture",
     type=SafePath(),
     help="Fixture directory from `specaudit fixtures build` (SHA-256 checked) "
     "[default: the built-in fixture of --fixture-kind, built fresh].",
@@ -163,16 +182,6 @@ def _known_patches(
     help="Built-in fixture: last-token (the report's; each next-token distribution depends on "
     "the previous token) or context (on the whole context, through attention) [default: "
     "last-token]. With --fixture, that fixture must be of this kind.",
-)
-@choice_option(
-    "--path",
-    param="paths",
-    choices=distribution.PATHS,
-    multiple=True,
-    help="Verification path(s) of --engine server, repeatable [default: all; rejection only "
-    "at --temperature > 0]: plain (no draft), greedy (draft, sample-and-match), rejection "
-    "(--spec-draft-sampling probabilistic: rejection sampling), ngram (ngram-mod, no draft "
-    "model).",
 )
 @prompt_option(default=None, help="Prompt, in the fixture's letters [default: the fixture's].")
 @tokens_option(
@@ -259,31 +268,12 @@ def _known_patches(
 @json_option
 def command(
     engines: tuple[str, ...],
-    urls: tuple[str, ...],
-    generators: tuple[str, ...],
-    fixture_dir: Path | None,
-    fixture_kind: str | None,
-    paths: tuple[str, ...],
-    prompt: str | None,
-    tokens: int,
-    positions: int | None,
-    joint: int | None,
     top_k: int,
     top_p: float,
     min_p: float,
     temperature: float,
-    seeds: int,
-    seed_start: int,
-    alpha: float,
-    tolerance: float,
-    sequential: bool,
-    parallel: int,
-    concurrency: int | None,
-    jobs: int | None,
-    patches: tuple[str, ...],
-    timeout: float,
-    plot: Path | None,
     as_json: bool,
+    **params: Any,
 ) -> None:
     """Prove whether speculative decoding preserves the sampling distribution.
 
@@ -295,9 +285,12 @@ def command(
     distribution with and without a draft, on every verification path; llama-speculative
     does not.
     """
+    # Every other option is a `make_request` keyword of the same name (an engine's own
+    # option: its `EngineOption.param`, None when not given).
     if engines == ():
-        engines = ("url",) if urls else ("server", "speculative-example")
-    url = urls or None
+        engines = ("url",) if params["url"] else ("server", "speculative-example")
+    for _, opt in distribution.registry.options():
+        params[opt.param] = params.get(opt.param) or None
     from specaudit import fixtures
 
     sampler = fixtures.SamplerSettings(
@@ -305,67 +298,16 @@ def command(
     )
     # Check every input first (a bad one must not wait for a build), then provision the
     # binaries with their own progress bar (one live display at a time), then sample.
-    fs, _ = distribution.validate(
-        engines,
-        fixture=fixture_dir,
-        url=url,
-        prompt=prompt,
-        tokens=tokens,
-        positions=positions,
-        joint=joint,
-        sampler=sampler,
-        seeds=seeds,
-        alpha=alpha,
-        tolerance=tolerance,
-        seed_start=seed_start,
-        parallel=parallel,
-        concurrency=concurrency,
-        jobs=jobs,
-        timeout=timeout,
-        plot=plot,
-        fixture_kind=fixture_kind,
-    )
-    if patches and not distribution.needs_binaries(engines):
-        raise distribution.DistError(
-            "--patch applies to the server and speculative-example engines only"
-        )
-    if paths and "server" not in engines:
-        raise distribution.DistError("--path applies to the server engine only")
-    if generators and "transformers" not in engines:
-        raise distribution.DistError("--generator applies to the transformers engine only")
-    distribution.check_paths(paths or None, temperature)
-    bins = ensure_binaries(patches=patches) if distribution.needs_binaries(engines) else None
+    req = distribution.make_request(engines, sampler=sampler, **params)
+    if req.needs_binaries:
+        req = req.with_binaries(ensure_binaries(patches=req.patches))
     # One bar per engine on a terminal; off one, a line per tenth of each engine's samples.
     with progress.bars(console=console) as bars:
 
         def cb(label: str, done: int, total: int) -> None:
             bars(f"dist {label}", done, total)
 
-        res = distribution.run(
-            engines,
-            fixture=fs,
-            url=url,
-            prompt=prompt,
-            tokens=tokens,
-            positions=positions,
-            joint=joint,
-            sampler=sampler,
-            seeds=seeds,
-            seed_start=seed_start,
-            alpha=alpha,
-            tolerance=tolerance,
-            sequential=sequential,
-            parallel=parallel,
-            concurrency=concurrency,
-            jobs=jobs,
-            binaries=bins,
-            plot=plot,
-            progress=cb,
-            timeout=timeout,
-            fixture_kind=fixture_kind,
-            paths=paths or None,
-            generators=generators or None,
-        )
+        res = distribution.run(req, progress=cb)
     if as_json:
         emit_json(res)
     elif out.is_terminal:

@@ -25,13 +25,15 @@ program run once per seed (`speculative-example`). See docs/dist.md and docs/eng
 Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
 closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
 stopping), `engines` (what produces samples), `logflush` (llama-speculative's output read
-with llama.cpp's logger drained at exit), `driver` (sampling an engine, `measure`),
-`runner` (input checks, servers, `run`), `coverage` (the verification paths run and not
-covered), `render` (tables, Markdown, the plot). The audit's
+with llama.cpp's logger drained at exit), `driver` (sampling an engine, `measure`), `request`
+(`DistRequest`: every input checked once, by `make_request`), `registry` (engine name -> what
+it needs, its own options, how it is built from a request), `builtin` (the built-in engines'
+entries, `spawn_server`), `runner` (`run`: each engine built and measured), `coverage` (the
+verification paths run and not covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
-from specaudit.distribution import hf
+from specaudit.distribution import builtin, hf, registry
 from specaudit.distribution.analysis import Tally, analyze
 from specaudit.distribution.coverage import (
     NOT_COVERED,
@@ -86,20 +88,18 @@ from specaudit.distribution.results import (
 )
 from specaudit.distribution.runner import (
     DEFAULT_TIMEOUT,
-    ENGINES,
     MAX_CONCURRENCY,
     MAX_JOBS,
     MAX_JOINT,
     MAX_PARALLEL,
     MIN_TOKENS,
     PATHS,
-    URL_ENGINES,
+    DistRequest,
     load_fixture,
+    make_request,
     make_workload,
-    needs_binaries,
     run,
     spawn_server,
-    validate,
 )
 from specaudit.distribution.sequential import SEQUENTIAL_FIRST_LOOK, Sequential, replay_sequential
 from specaudit.distribution.truth import Truth
@@ -110,7 +110,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TOKENS",
     "DEFAULT_TOLERANCE",
-    "ENGINES",
     "MAX_CONCURRENCY",
     "MAX_JOBS",
     "MAX_JOINT",
@@ -118,7 +117,6 @@ __all__ = [
     "MIN_TOKENS",
     "NOT_COVERED",
     "PATHS",
-    "URL_ENGINES",
     "PATH_ENGINES",
     "PATH_HEADERS",
     "PATH_HELP",
@@ -129,6 +127,7 @@ __all__ = [
     "ContextResult",
     "DistError",
     "DistResult",
+    "DistRequest",
     "Engine",
     "EngineResult",
     "ExampleEngine",
@@ -153,18 +152,20 @@ __all__ = [
     "engine_error",
     "evidence_cell",
     "fixture_model",
+    "builtin",
     "hf",
     "load_fixture",
+    "make_request",
     "make_workload",
     "measure",
     "measure_async",
-    "needs_binaries",
     "not_covered_lines",
     "parse_example_output",
     "path_rows",
     "paths_markdown",
     "plot_results",
     "read_example_output",
+    "registry",
     "rejected",
     "replay_sequential",
     "run",
@@ -173,5 +174,4 @@ __all__ = [
     "test_rows",
     "to_markdown",
     "tokens_cell",
-    "validate",
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 from specaudit import check, distribution
 from specaudit import llama_cpp_python as lcp
 from specaudit.audit.context import AuditContext, Section
+from specaudit.fixtures import FixtureSet
 from specaudit.outcome import Outcome
 from specaudit.report import md_table
 from specaudit.stats import Verdict
@@ -54,6 +55,14 @@ def rows(results: list[tuple[str, str, distribution.DistResult]]) -> list[tuple[
     return out
 
 
+def _sequential(
+    engine: str, fs: FixtureSet, seeds: int, url: str | None = None
+) -> distribution.DistResult:
+    """`engine` on `fs`, sequential, at most `seeds` samples."""
+    req = distribution.make_request([engine], fixture=fs, url=url, seeds=seeds, sequential=True)
+    return distribution.run(req)
+
+
 def run_engines(
     ctx: AuditContext, seeds: int = SEEDS
 ) -> tuple[list[tuple[str, str, distribution.DistResult]], check.CheckResult, list[str]]:
@@ -62,12 +71,12 @@ def run_engines(
     notes: list[str] = []
     for fs in (ctx.fixture, ctx.context_fixture):
         ctx.progress(f"engines: transformers on {fs.spec.name}")
-        r = distribution.run(["transformers"], fixture=fs, seeds=seeds, sequential=True)
+        r = _sequential("transformers", fs, seeds)
         notes += [f"{fs.spec.name}: {n}" for n in r.notes]
         out.append(("transformers", "", r))
     ctx.progress("engines: llama-server via /v1/completions")
     srv = ctx.server("fixture-spec")
-    r = distribution.run(["openai"], fixture=ctx.fixture, url=srv.url, seeds=seeds, sequential=True)
+    r = _sequential("openai", ctx.fixture, seeds, srv.url)
     for e in r.engines:
         e.engine = "llama-server (openai)"
     out.append(("openai", "llama-server draft-simple", r))
@@ -78,7 +87,7 @@ def run_engines(
         log = Path(ctx.out_dir) / f"llama-cpp-python-{fs.spec.kind}.log"
         f32 = fs.spec.kind == "context"
         with lcp.LlamaCppPythonServer(Path(fs.target), log_path=log, f32_cache=f32) as s:
-            r = distribution.run(["openai"], fixture=fs, url=s.url, seeds=seeds, sequential=True)
+            r = _sequential("openai", fs, seeds, s.url)
             for e in r.engines:
                 e.engine = f"llama-cpp-python {lcp.VERSION} (openai)"
             out.append(("openai", f"llama-cpp-python {lcp.PROMPT_LOOKUP}", r))

@@ -1,0 +1,284 @@
+"""The built-in engines, registered in `dist.registry`: how each is built from a `DistRequest`.
+
+server (one spawned llama-server per verification path), speculative-example (llama.cpp's
+llama-speculative, one process per seed), url (running llama-servers, native /completion),
+openai (running /v1/completions servers) and transformers (Hugging Face `generate()`, the
+`transformers` extra). Each entry is one `register` call below; an engine's sampling code
+lives in its own module (`engines`, `openai`, `hf`). `spawn_server` is here because only the
+server engine (and tests, benchmarks that want the same server) starts llama-servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path
+
+from specaudit import fixtures
+from specaudit.distribution import coverage, hf
+from specaudit.distribution.engines import Engine, ExampleEngine, ServerEngine
+from specaudit.distribution.openai import FleetEngine, OpenAIEngine
+from specaudit.distribution.registry import (
+    EngineEntry,
+    EngineOption,
+    RunContext,
+    Unit,
+    register,
+)
+from specaudit.distribution.request import DistRequest
+from specaudit.distribution.results import DistError
+from specaudit.llama import presets
+from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.server import LlamaServer
+
+# llama.cpp's --spec-draft-sampling: greedy (default; sample-and-match), probabilistic (rejection)
+DRAFT_SAMPLING = presets.DRAFT_SAMPLING
+# the verification paths `server` runs, one llama-server each (presets.PATHS, dist.coverage)
+PATHS = presets.PATHS
+_SERVER_NAMES = {
+    "plain": "dist-plain",
+    "greedy": "dist-spec",
+    "rejection": "dist-spec-probabilistic",
+    "ngram": "dist-ngram",
+}
+
+
+# ------------------------------------------------------------------------------ server
+
+
+def _server_paths(req: DistRequest) -> tuple[str, ...]:
+    """The paths the server engine runs (checked by `_check_server`)."""
+    paths = coverage.check_paths(req.option("paths"), req.workload.sampler.temperature)
+    assert paths is not None
+    return paths
+
+
+def _check_server(req: DistRequest) -> None:
+    _server_paths(req)
+
+
+def _build_server(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    paths = _server_paths(req)
+    ctx.not_covered.extend(coverage.not_covered(paths, req.workload.sampler.temperature))
+    b = ctx.binaries()
+    fs, wl = req.fixture, req.workload
+    for path in paths:
+        label, kind = coverage.PATH_ENGINES[path]
+        with spawn_server(b, fs, path=path, parallel=req.parallel, log_dir=req.work_dir) as srv:
+            eng = ServerEngine(
+                srv.url, fs.spec, wl, label=_with_patches(label, b), kind=kind,
+                concurrency=req.concurrency or 2 * req.parallel, timeout=req.timeout,
+            )  # fmt: skip
+            yield Unit(eng, path)
+
+
+@contextlib.contextmanager
+def spawn_server(
+    binaries: LlamaBinaries,
+    fixture: fixtures.FixtureSet,
+    *,
+    draft: bool | None = None,
+    parallel: int = 4,
+    log_dir: Path | None = None,
+    draft_sampling: str = "greedy",
+    path: str | None = None,
+) -> Iterator[LlamaServer]:
+    """A llama-server on the fixture on one verification path (`PATHS`), from its preset
+    (`presets.fixture_role`).
+
+    Either `path` ("plain", "greedy", "rejection", "ngram"), or the older spelling: `draft`
+    (False: "plain") with `draft_sampling` "greedy" (llama.cpp's default, no flag: the draft
+    proposes its argmax, verified by sample-and-match, lossless by construction) or
+    "probabilistic" (``--spec-draft-sampling probabilistic``: the draft samples and reports
+    its distribution q, verified by rejection sampling; only at temperature > 0). "ngram" is
+    ``--spec-type ngram-mod`` without a draft model (`presets.FIXTURE_NGRAM_ARGS`).
+    """
+    path = _server_path(draft, draft_sampling, path)
+    model = "fixture-context" if fixture.spec.kind == "context" else "fixture"
+    preset = presets.PRESETS[presets.fixture_role(model, path)]
+    name = _SERVER_NAMES[path]
+    # presets' fixture policy: one thread (the fixture needs no second one; on a busy machine
+    # extra threads only spin); a slot gets the fixture's whole context.
+    srv = presets.for_preset(
+        preset,
+        binaries,
+        Path(fixture.target),
+        Path(fixture.draft) if preset.uses_draft else None,
+        parallel=parallel,
+        ctx_per_slot=fixture.spec.config.context_length,
+        log_path=(log_dir / f"{name}.log") if log_dir else None,
+        name=name,
+    )
+    with srv:
+        yield srv
+
+
+def _server_path(draft: bool | None, draft_sampling: str, path: str | None) -> str:
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise DistError(
+            f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {draft_sampling!r}"
+        )
+    if path is not None:
+        if path not in PATHS:
+            raise DistError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+        if draft is not None or draft_sampling != "greedy":
+            raise DistError("give path, or draft (and draft_sampling), not both")
+        return path
+    if draft is None:
+        raise DistError("spawn_server needs path (or draft)")
+    if draft_sampling != "greedy" and not draft:
+        raise DistError(f"draft_sampling={draft_sampling!r} needs a draft (draft=True)")
+    if not draft:
+        return "plain"
+    return "rejection" if draft_sampling == "probabilistic" else "greedy"
+
+
+def _with_patches(label: str, b: LlamaBinaries) -> str:
+    """An engine's label, naming the patches its binaries were built with (none: unchanged)."""
+    if not b.patches:
+        return label
+    from specaudit.llama.patches import patch_label
+
+    return f"{label} [{'+'.join(patch_label(p) for p in b.patches)}]"
+
+
+# ----------------------------------------------------------------- speculative-example
+
+
+def _build_example(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    b = ctx.binaries()
+    fs = req.fixture
+    yield Unit(
+        ExampleEngine(
+            b.speculative,
+            fs.target,
+            fs.draft,
+            fs.spec,
+            req.workload,
+            jobs=req.jobs,
+            label=_with_patches("llama-speculative", b),
+        )  # fmt: skip
+    )
+
+
+# -------------------------------------------------------------------------- url, openai
+
+
+def _fleet(members: Sequence[Engine]) -> Engine:
+    """One engine, or a fleet that spreads the seeds over identical servers (`--concurrency`
+    is per server)."""
+    return members[0] if len(members) == 1 else FleetEngine(list(members))
+
+
+def _build_url(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    spec, wl = req.fixture.spec, req.workload
+    yield Unit(
+        _fleet(
+            [
+                ServerEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
+                for u in req.urls
+            ]
+        )
+    )
+
+
+def _build_openai(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    spec, wl = req.fixture.spec, req.workload
+    yield Unit(
+        _fleet(
+            [
+                OpenAIEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
+                for u in req.urls
+            ]
+        )
+    )
+
+
+# ------------------------------------------------------------------------ transformers
+
+
+def _check_transformers(req: DistRequest) -> None:
+    if req.workload.sampler.temperature <= 0:
+        raise DistError("--engine transformers samples: --temperature must be > 0")
+    hf.versions()  # the extra is installed, or a one-line error now
+
+
+def _build_transformers(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    generators = req.option("generators") or hf.GENERATORS
+    engines, truth_check = hf.engines(req.fixture, req.workload, generators)
+    ctx.notes.append(truth_check.line())
+    ctx.not_covered.extend(hf.NOT_RUNNABLE)
+    for eng in engines:
+        yield Unit(eng)
+
+
+# --------------------------------------------------------------------------- the table
+
+SERVER = register(
+    EngineEntry(
+        "server",
+        _build_server,
+        help="llama-servers spawned on the fixture, one per verification path (--path)",
+        binaries=True,
+        options=(
+            EngineOption(
+                "--path",
+                "paths",
+                PATHS,
+                "Verification path(s) of --engine server, repeatable [default: all; rejection "
+                "only at --temperature > 0]: plain (no draft), greedy (draft, "
+                "sample-and-match), rejection (--spec-draft-sampling probabilistic: rejection "
+                "sampling), ngram (ngram-mod, no draft model).",
+            ),
+        ),
+        check=_check_server,
+    )
+)
+SPECULATIVE_EXAMPLE = register(
+    EngineEntry(
+        "speculative-example",
+        _build_example,
+        help="llama.cpp's llama-speculative, one process per seed",
+        binaries=True,
+    )
+)
+URL = register(EngineEntry("url", _build_url, help="a running llama-server (--url)", url=True))
+OPENAI = register(
+    EngineEntry(
+        "openai",
+        _build_openai,
+        help="a running OpenAI-compatible server (--url, /v1/completions)",
+        url=True,
+    )
+)
+TRANSFORMERS = register(
+    EngineEntry(
+        "transformers",
+        _build_transformers,
+        help="Hugging Face generate() with speculative decoding on CPU (--generator; needs "
+        "specaudit[transformers])",
+        extra="transformers",
+        options=(
+            EngineOption(
+                "--generator",
+                "generators",
+                hf.GENERATORS,
+                "Candidate generator(s) of --engine transformers, repeatable [default: all]: "
+                + "; ".join(f"{g}: {h}" for g, h in hf.GENERATOR_HELP.items())
+                + ".",
+            ),
+        ),
+        check=_check_transformers,
+    )
+)
+
+__all__ = [
+    "DRAFT_SAMPLING",
+    "OPENAI",
+    "PATHS",
+    "SERVER",
+    "SPECULATIVE_EXAMPLE",
+    "TRANSFORMERS",
+    "URL",
+    "spawn_server",
+]

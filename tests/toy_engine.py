@@ -1,0 +1,63 @@
+"""A toy `dist` engine, written the way docs/dist.md ("Adding an engine") says: one module, one
+`register` call. It samples the fixture's closed form in memory (`--toy-mode exact`), or always
+its most likely token (`--toy-mode greedy`, which a correct test calls BROKEN). Importing this
+module registers it; `tests/unit/test_dist_registry.py` drives it through `specaudit dist`."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import numpy as np
+
+from specaudit.distribution import Sample, Truth, Workload
+from specaudit.distribution.registry import (
+    EngineEntry,
+    EngineOption,
+    RunContext,
+    Unit,
+    register,
+)
+from specaudit.distribution.request import DistRequest
+from specaudit.fixtures import FixtureSpec
+
+MODES = ("exact", "greedy")
+
+
+class ToyEngine:
+    """Samples in-process from the truth (no server): `dist.engines.Engine`."""
+
+    kind = "toy"
+    concurrency = 8
+
+    def __init__(self, spec: FixtureSpec, workload: Workload, mode: str) -> None:
+        self.label = f"toy ({mode})"
+        self.truth = Truth(spec, workload)
+        self.tokens = workload.tokens
+        self.mode = mode
+
+    async def sample(self, seed: int) -> Sample:
+        rng = np.random.default_rng(seed)
+        text = ""
+        for _ in range(self.tokens):
+            p = self.truth.next(text)
+            i = int(np.argmax(p)) if self.mode == "greedy" else int(rng.choice(len(p), p=p))
+            text += self.truth.labels[i]
+        return Sample(seed, text)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    mode = (req.option("toy_modes") or ("exact",))[-1]
+    yield Unit(ToyEngine(req.fixture.spec, req.workload, mode))
+
+
+TOY = register(
+    EngineEntry(
+        "toy",
+        build,
+        help="an in-memory sampler of the fixture's closed form",
+        options=(EngineOption("--toy-mode", "toy_modes", MODES, "How the toy samples."),),
+    )
+)
