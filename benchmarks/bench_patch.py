@@ -36,6 +36,7 @@ import httpx
 
 from specaudit import llama, models
 from specaudit.llama import LlamaServer
+from specaudit.llama.patches import resolve
 
 PATCH = "spec-logprobs"
 PROMPT = (
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  building llama.cpp: {pct:3.0f}% {msg[-60:]}", file=sys.stderr, flush=True)
 
     stock = llama.ensure(progress=progress)
-    patched = llama.ensure(patches=(PATCH,), progress=progress)
+    patched = llama.ensure(patches=(resolve(PATCH),), progress=progress)
     gemma = models.gemma_270m().path
     logs = Path(tempfile.mkdtemp(prefix="specaudit-bench-"))
     print(f"stock   {stock.bin_dir}\npatched {patched.bin_dir}\nmodel   {gemma}\nlogs    {logs}")
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # one thread per server: with more, ggml's threads spin at their barriers while a sibling
     # waits for a core, and that spinning would count as CPU time on a loaded machine
-    spec = {"draft": gemma, "spec_type": "draft-simple", "ctx_size": 2048,
+    spec: dict[str, Any] = {"draft": gemma, "spec_type": "draft-simple", "ctx_size": 2048,
             "extra_args": ["-t", str(args.threads)]}  # fmt: skip
     bins = {"stock-a": stock, "stock-b": stock, "patched": patched}
     rates: dict[str, list[float]] = {}

@@ -115,6 +115,9 @@ class RecordingClient(Client):
         self.bodies: list[JSON] = []
         self.streams: list[StreamResult] = []
 
+    def __enter__(self) -> RecordingClient:
+        return self
+
     def post(self, path: str, body: JSON) -> JSON:
         r = super().post(path, body)
         self.bodies.append(r)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from specaudit import llama, matrix
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import Patch
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -29,7 +30,7 @@ def _progress(pct: float, msg: str) -> None:
     print(f"[specaudit] building llama.cpp b{OLD}: {pct:3.0f}% {msg[-70:]}", file=sys.stderr)
 
 
-def _ensure(build: int, patches: tuple[str, ...]) -> LlamaBinaries:
+def _ensure(build: int, patches: Sequence[Patch | str]) -> LlamaBinaries:
     return llama.ensure(build, patches, progress=_progress)
 
 

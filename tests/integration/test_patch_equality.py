@@ -47,7 +47,7 @@ FIXTURE_TOL = 1e-5
 GEMMA_TOL = 1e-3
 GEMMA_ARGS = ("--no-repack", "-fa", "on")
 GEMMA_CTX = 2048
-NGRAM_ARGS = ("--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", "1")
+NGRAM_ARGS: tuple[str, ...] = ("--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", "1")
 NGRAM_ARGS += ("--spec-ngram-mod-n-max", "3")
 
 #: The field report's fixture sampler: top-k 3, T=1, top-p and min-p off.

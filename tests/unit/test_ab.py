@@ -104,7 +104,7 @@ def test_parse_spec_recording_counts_placeholders(endpoint: str) -> None:
     real_vals = [v for v in r.real_logprobs if v is not None]
     assert r.naive_mean == pytest.approx(sum(real_vals) / r.tokens)
     assert r.real_mean == pytest.approx(sum(real_vals) / len(real_vals))
-    assert r.draft_n == body["timings"]["draft_n"] and r.draft_n > 0
+    assert r.draft_n == body["timings"]["draft_n"] and r.draft_n is not None and r.draft_n > 0
     assert r.draft_n_accepted == body["timings"]["draft_n_accepted"]
 
 
@@ -135,8 +135,8 @@ def test_t_interval_matches_scipy_and_degenerate_cases() -> None:
 
 
 def test_paired_delta() -> None:
-    a = {1: -0.1, 2: -0.2, 3: None, 4: -0.15}
-    b = {1: -0.5, 2: -0.4, 3: -0.6, 4: -0.45}
+    a: dict[int, float | None] = {1: -0.1, 2: -0.2, 3: None, 4: -0.15}
+    b: dict[int, float | None] = {1: -0.5, 2: -0.4, 3: -0.6, 4: -0.45}
     d = ab.paired("x", a, b)
     assert d.n == 3  # seed 3 has no value on one side
     assert d.mean == pytest.approx((0.4 + 0.2 + 0.3) / 3)

@@ -463,7 +463,7 @@ def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
     truth = distribution.Truth(SPEC, WL)
     bend = _tilt(truth, 0.05)
     rng = np.random.default_rng(12)
-    seen = Counter()
+    seen: Counter[Verdict] = Counter()
     for _ in range(10):
         samples = draw(SPEC, WL, 2000, rng, bend)
         verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)

@@ -169,7 +169,7 @@ def test_openai_legacy_completions_and_stream() -> None:
     recs = logprobs.from_response("completions", {"choices": [{"logprobs": lp}]}, 2)
     assert [r.klass for r in recs] == [TokenClass.REAL, TokenClass.PLACEHOLDER]
     assert recs[0].candidates[1].token == "c" and recs[1].logprob is None
-    events = [
+    events: list[dict[str, Any]] = [
         {
             "choices": [
                 {"text": "a", "logprobs": {**lp, "tokens": ["a"], "top_logprobs": [{"a": -0.5}]}}
@@ -212,7 +212,7 @@ def test_missing_policies() -> None:
 
 
 def test_stream_reasoning_tokens_count() -> None:
-    events = [
+    events: list[dict[str, Any]] = [
         {"choices": [{"delta": {"role": "assistant", "content": None}}]},
         {"choices": [{"delta": {"reasoning_content": "Hm"}}]},
         {"choices": [{"delta": {"content": "Hi"}}]},
