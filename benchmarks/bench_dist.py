@@ -65,10 +65,11 @@ def bench_overhead(url: str, fs: fixtures.FixtureSet, n: int, rounds: int) -> No
     harn, ratios = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        res = distribution.measure(
-            distribution.ServerEngine(url, fs.spec, wl, concurrency=CONCURRENCY), fs.spec, wl, seeds
+        req = distribution.make_request(
+            ["url"], url=url, fixture=fs, concurrency=CONCURRENCY, seeds=n
         )
-        h = n / (time.perf_counter() - t0)  # end to end, statistics included
+        (res,) = distribution.run(req).engines
+        h = n / (time.perf_counter() - t0)  # end to end: the request, sampling, statistics
         assert res.n_samples == n
         raws.append(asyncio.run(raw_client(url, body, seeds)))
         harn.append(h)
@@ -85,13 +86,13 @@ def bench_overhead(url: str, fs: fixtures.FixtureSet, n: int, rounds: int) -> No
 
 
 def bench_sequential(bins: llama.LlamaBinaries, fs: fixtures.FixtureSet, blocks: int) -> None:
-    wl = distribution.make_workload(fs.spec)
     used = []
     for b in range(blocks):
-        eng = distribution.ExampleEngine(bins.speculative, fs.target, fs.draft, fs.spec, wl)
-        res = distribution.measure(
-            eng, fs.spec, wl, range(1 + 500 * b, 501 + 500 * b), alpha=1e-3, sequential=True
-        )
+        req = distribution.make_request(
+            ["speculative-example"], fixture=fs, binaries=bins, seeds=500,
+            seed_start=1 + 500 * b, alpha=1e-3, sequential=True,
+        )  # fmt: skip
+        (res,) = distribution.run(req).engines
         assert res.sequential is not None
         if res.verdict is not Verdict.BROKEN:
             print(f"    block {b}: not flagged ({res.reason})")

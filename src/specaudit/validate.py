@@ -3,8 +3,9 @@
 Why one place: a bad value must fail the same way whether it came from the command line or
 from a library call -- before any work starts, as one line (a `SpecauditError`, exit 2),
 never as a traceback from deep inside httpx, json or pathlib. The CLI's option types
-(`specaudit.cli.common`) wrap these functions, and `check.run`, `ab.run` and `dist.run` call
-them again, so library users get the same protection.
+(`specaudit.cli.common`) wrap these functions, and `check.run`, `ab.run` and
+`distribution.make_request` call them again, so library users get the same protection. What
+only one command checks stays with that command (dist's: `distribution.request`).
 
 Each check takes the option's name (``--timeout``) for the message and the error class to
 raise (the caller's: `CheckError`, `ABError`, `DistError`; `InputError` by default). Light on

@@ -17,7 +17,6 @@ from typing import Any
 
 from specaudit import ab, check, distribution, llama
 from specaudit.audit.context import AuditContext, Section
-from specaudit.fixtures import FixtureSet
 from specaudit.llama.presets import PATCH, SPECULATIVE_FIX
 from specaudit.outcome import Outcome
 from specaudit.report import md_table, to_jsonable
@@ -80,14 +79,15 @@ class ExamplePair:
 def example_pairs(
     ctx: AuditContext,
     *,
-    stock_seeds: Sequence[int] = EXAMPLE_SEEDS,
-    fixed_seeds: Sequence[int] = EXAMPLE_SEEDS,
+    stock_seeds: range = EXAMPLE_SEEDS,
+    fixed_seeds: range = EXAMPLE_SEEDS,
     tolerance: float = distribution.DEFAULT_TOLERANCE,
     prompts: Sequence[str | None] = (None, SECOND_PROMPT),
     stock_sequential: bool = False,
 ) -> list[ExamplePair]:
     """`dist` of stock and fixed llama-speculative on both fixtures, for each prompt (None: the
-    fixture's own); empty when the build has no `speculative-fix` patch.
+    fixture's own); empty when the build has no `speculative-fix` patch. Each measurement is
+    one `DistRequest` of the speculative-example engine on the given binaries.
 
     `stock_sequential`: test the stock example sequentially (anytime-valid e-values at alpha
     1e-3, `stock_seeds` the maximum): its bias is gross, so it stops after a few dozen runs.
@@ -98,30 +98,26 @@ def example_pairs(
     out = []
     for kind, fs in (("last-token", ctx.fixture), ("context", ctx.context_fixture)):
         for prompt in prompts:
-            wl = distribution.make_workload(fs.spec, prompt=prompt)
             res = []
             for bins, seeds, label, seq in (
                 (stock_bins, stock_seeds, "llama-speculative", stock_sequential),
                 (fixed_bins, fixed_seeds, f"llama-speculative [{SPECULATIVE_FIX}]", False),
             ):
-                ctx.progress(f"patched: dist {label} on {fs.spec.name}, prompt {wl.prompt}")
-                eng = _example(bins, fs, wl, label)
-                alpha = 1e-3 if seq else distribution.DEFAULT_ALPHA
-                res.append(
-                    distribution.measure(
-                        eng, fs.spec, wl, seeds, alpha=alpha, tolerance=tolerance, sequential=seq
-                    )
+                if seeds.step != 1:
+                    raise ValueError(f"seeds must be consecutive, got {seeds}")
+                req = distribution.make_request(
+                    ["speculative-example"], fixture=fs, prompt=prompt, binaries=bins,
+                    seeds=len(seeds), seed_start=seeds.start,
+                    alpha=1e-3 if seq else distribution.DEFAULT_ALPHA, tolerance=tolerance,
+                    sequential=seq,
+                )  # fmt: skip
+                ctx.progress(
+                    f"patched: dist {label} on {fs.spec.name}, prompt {req.workload.prompt}"
                 )
-            out.append(ExamplePair(fs.spec.name, kind, wl.prompt, res[0], res[1]))
+                (eng,) = distribution.run(req).engines
+                res.append(eng)
+            out.append(ExamplePair(fs.spec.name, kind, req.workload.prompt, res[0], res[1]))
     return out
-
-
-def _example(
-    bins: llama.LlamaBinaries, fs: FixtureSet, wl: distribution.Workload, label: str
-) -> distribution.ExampleEngine:
-    return distribution.ExampleEngine(
-        bins.speculative, fs.target, fs.draft, fs.spec, wl, label=label
-    )
 
 
 def _example_cell(e: distribution.EngineResult) -> str:
