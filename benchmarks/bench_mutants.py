@@ -267,8 +267,9 @@ def main() -> int:
     bins: dict[str, LlamaBinaries] = {}
     for name, patches in builds:
         t0 = time.perf_counter()
-        cached = llama.find(patches=patches) is not None
-        bins[name] = llama.ensure(patches=patches)
+        values = resolve_all(patches)
+        cached = llama.find(patches=values) is not None
+        bins[name] = llama.ensure(patches=values)
         dt = time.perf_counter() - t0
         build_times[name] = "cached" if cached else f"built in {dt:.0f} s"
         log(f"{name}: {build_times[name]}")

@@ -23,7 +23,7 @@ import pytest
 from specaudit import audit, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
-from specaudit.llama.patches import Patch
+from specaudit.llama.patches import Patch, resolve_all
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def llama_bins() -> LlamaBinaries:
 
 @pytest.fixture(scope="session")
 def patched_bins(llama_bins: LlamaBinaries) -> LlamaBinaries:
-    return llama.ensure(patches=(presets.PATCH,), progress=_progress)
+    return llama.ensure(patches=resolve_all((presets.PATCH,)), progress=_progress)
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def test_stock_preserves_under_probabilistic_drafting(
 def test_mutant_is_broken_under_probabilistic_drafting(
     mutant: str, fixture_set: fixtures.FixtureSet
 ) -> None:
-    bins = llama.ensure(patches=(mutant,), progress=_progress)
+    bins = llama.ensure(patches=(resolve(mutant),), progress=_progress)
     assert bins.variant.startswith("mutant-")
     res = _spec_server(bins, fixture_set, MUTANT_SEEDS, sequential=True, alpha=1e-3)
     assert res.verdict is Verdict.BROKEN, res.reason
@@ -97,7 +97,7 @@ def test_a_rejection_sampler_mutant_is_invisible_under_greedy_drafting(
 ) -> None:
     """Greedy drafting never calls the rejection sampler: the same samples as stock, byte for
     byte. Why dist has to run the probabilistic path to see such a bug at all."""
-    bins = llama.ensure(patches=("mutants/ratio-inverted",), progress=_progress)
+    bins = llama.ensure(patches=(resolve("mutants/ratio-inverted"),), progress=_progress)
     seeds = range(1, 201)
     assert _texts(bins, fixture_set, seeds, "greedy") == _texts(
         llama_bins, fixture_set, seeds, "greedy"

@@ -219,9 +219,9 @@ def test_a_missing_patch_file_is_a_clear_error(tmp_path: Path) -> None:
         build.ensure(B, _p(str(tmp_path / "nope.patch")))
     (tmp_path / "dir.patch").mkdir()
     with pytest.raises(BuildError, match="not found"):
-        catalogue.check_patch(str(tmp_path / "dir.patch"))  # a directory is not a patch file
+        catalogue.resolve(str(tmp_path / "dir.patch"))  # a directory is not a patch file
     with pytest.raises(BuildError, match="not found"):
-        catalogue.check_patch("a\0b.patch")
+        catalogue.resolve("a\0b.patch")
 
 
 def test_odd_file_names_give_safe_variant_labels(tmp_path: Path) -> None:
@@ -235,7 +235,7 @@ def test_odd_file_names_give_safe_variant_labels(tmp_path: Path) -> None:
 def test_names_cannot_escape_the_patch_directory(tmp_path: Path) -> None:
     for name in ("../good", "mutants/../good", "mutants/", "", "good/x", "mutants/s2/x"):
         with pytest.raises(BuildError, match="no (patch|mutant)"):
-            catalogue.check_patch(name, B)
+            catalogue.resolve(name, B)
 
 
 # --------------------------------------------------------------------------------- mutants
@@ -354,9 +354,7 @@ def test_dist_run_builds_with_the_patches_and_labels_the_engines(
 
     def fake_ensure(*a: Any, patches: tuple[Patch, ...] = (), **k: Any) -> llama.LlamaBinaries:
         asked.append(patches)
-        return llama.LlamaBinaries(
-            bin_dir=tmp_path, build=B, variant="x", patches=build.as_patches(patches, B)
-        )
+        return llama.LlamaBinaries(bin_dir=tmp_path, build=B, variant="x", patches=tuple(patches))
 
     labels: list[str] = []
 

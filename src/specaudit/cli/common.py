@@ -305,21 +305,19 @@ def build_progress(what: str = "llama.cpp") -> Iterator[ProgressFn]:
 
 
 def ensure_binaries(
-    build: int | None = None, patches: Sequence[Patch | str] = (), jobs: int | None = None
+    build: int | None = None, patches: tuple[Patch, ...] = (), jobs: int | None = None
 ) -> LlamaBinaries:
     """Cached binaries, or a build with a progress bar (`build`: default llama.DEFAULT_BUILD).
 
-    `patches`: `Patch` values, or what a user typed (resolved here, once, for both the lookup
-    and the build)."""
+    `patches`: resolved once where the user typed them (`specaudit.llama.patches.resolve`);
+    the lookup and the build use the same values."""
     from specaudit import llama
-    from specaudit.llama.build import as_patches
 
     if build is None:
         build = llama.DEFAULT_BUILD
-    values = as_patches(patches, build)
-    found = llama.find(build, values)
+    found = llama.find(build, patches)
     if found is not None:
         return found
-    label = f"llama.cpp b{build}" + (f" + {'+'.join(p.name for p in values)}" if values else "")
+    label = f"llama.cpp b{build}" + (f" + {'+'.join(p.name for p in patches)}" if patches else "")
     with build_progress(label) as cb:
-        return llama.ensure(build, values, jobs=jobs, progress=cb)
+        return llama.ensure(build, patches, jobs=jobs, progress=cb)

@@ -53,13 +53,14 @@ def command(builds: str, seeds: int, work_dir: Path | None, as_json: bool) -> No
     and patched, on several llama.cpp builds, and print one table."""
     from specaudit import llama, matrix
     from specaudit.llama import presets
+    from specaudit.llama.patches import resolve_all
     from specaudit.report import to_jsonable
 
     nums = matrix.parse_builds(builds)
     for b in nums:  # build everything first, one progress bar at a time
         ensure_binaries(b)
         if presets.PATCH in llama.available_patches(b):
-            ensure_binaries(b, (presets.PATCH,))
+            ensure_binaries(b, resolve_all((presets.PATCH,), b))
     with progress.steps("matrix", console=console) as step:
         res = matrix.run(nums, seeds=seeds, work_dir=work_dir, progress=step)
     if as_json:

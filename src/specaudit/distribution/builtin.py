@@ -137,9 +137,9 @@ def _with_patches(label: str, b: LlamaBinaries) -> str:
     """An engine's label, naming the patches its binaries were built with (none: unchanged)."""
     if not b.patches:
         return label
-    from specaudit.llama.patches import patch_label
+    from specaudit.llama.patches import labels
 
-    return f"{label} [{'+'.join(patch_label(p) for p in b.patches)}]"
+    return f"{label} [{labels(b.patches)}]"
 
 
 # ----------------------------------------------------------------- speculative-example

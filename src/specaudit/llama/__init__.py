@@ -6,7 +6,6 @@ from specaudit.llama.patches import (
     Patch,
     available_mutants,
     available_patches,
-    check_patch,
     describe_patch,
 )
 from specaudit.llama.server import LlamaServer, free_port
@@ -19,7 +18,6 @@ __all__ = [
     "Patch",
     "available_mutants",
     "available_patches",
-    "check_patch",
     "describe_patch",
     "ensure",
     "find",

@@ -26,13 +26,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specaudit.errors import BuildError
 from specaudit.llama import sdist, sources
-from specaudit.llama.patches import DEFAULT_BUILD, Patch, resolve, variant_name
+from specaudit.llama.patches import DEFAULT_BUILD, Patch, variant_name
 from specaudit.llama.sdist import ProgressFn, llama_dir, no_progress, write_atomic
 from specaudit.paths import file_lock
 
@@ -101,11 +100,12 @@ def entry_dir(build: int, patches: tuple[Patch, ...] = ()) -> Path:
     return llama_dir() / f"b{build}-{variant_name(patches)}"
 
 
-def as_patches(patches: Sequence[Patch | str], build: int) -> tuple[Patch, ...]:
-    """`patches` as values: each text (what a user typed) resolved, each `Patch` kept."""
-    if isinstance(patches, str):
-        raise BuildError("patches must be a sequence of patches, not one string")
-    return tuple(p if isinstance(p, Patch) else resolve(p, build) for p in patches)
+def _values(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
+    """`patches`, or TypeError for anything but `Patch` values: text is resolved once, where
+    the user typed it (`specaudit.llama.patches.resolve`), never again here."""
+    if isinstance(patches, str) or not all(isinstance(p, Patch) for p in patches):
+        raise TypeError("patches must be Patch values (specaudit.llama.patches.resolve)")
+    return tuple(patches)
 
 
 def _external() -> LlamaBinaries | None:
@@ -118,7 +118,7 @@ def _external() -> LlamaBinaries | None:
     return LlamaBinaries(bin_dir=d, build=None, variant="external")
 
 
-def find(build: int = DEFAULT_BUILD, patches: Sequence[Patch | str] = ()) -> LlamaBinaries | None:
+def find(build: int = DEFAULT_BUILD, patches: tuple[Patch, ...] = ()) -> LlamaBinaries | None:
     """The cached binaries for (build, patches), or None. Cheap: reads the entry's marker and
     the memo of its variant's expected source hashes (see `sources.sources_prove_variant`).
 
@@ -129,7 +129,7 @@ def find(build: int = DEFAULT_BUILD, patches: Sequence[Patch | str] = ()) -> Lla
         ext = _external()
         if ext is not None:
             return ext
-    b = _entry(build, as_patches(patches, build))
+    b = _entry(build, _values(patches))
     if b is None or not all((b.bin_dir / t).is_file() for t in TARGETS):
         return None
     return b
@@ -137,17 +137,16 @@ def find(build: int = DEFAULT_BUILD, patches: Sequence[Patch | str] = ()) -> Lla
 
 def ensure(
     build: int = DEFAULT_BUILD,
-    patches: Sequence[Patch | str] = (),
+    patches: tuple[Patch, ...] = (),
     jobs: int | None = None,
     progress: ProgressFn | None = None,
 ) -> LlamaBinaries:
     """Cached binaries for (build, patches), building them first if needed.
 
-    `patches` are applied in order: `Patch` values (`specaudit.llama.patches.resolve`), or
-    their text (a bundled name, ``mutants/<name>``, a path to a ``.patch`` file), resolved
-    here once.
+    `patches` (`specaudit.llama.patches.resolve`: a bundled name, ``mutants/<name>`` or a
+    ``.patch`` file, read once) are applied in order, from their bytes.
     """
-    patches = as_patches(patches, build)
+    patches = _values(patches)
     found = find(build, patches)
     if found is not None:
         return found

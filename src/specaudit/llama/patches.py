@@ -176,16 +176,9 @@ def _shown(name: str) -> str:
     return "..." + repr(name[-60:]) if is_patch_file(name) else repr(name[:60]) + "..."
 
 
-def check_patch(spec: str, build: int = DEFAULT_BUILD) -> str:
-    """`spec` checked (BuildError if there is no such patch), a file as an absolute path."""
-    return resolve(spec, build).name
-
-
-def patch_label(spec: str | Patch) -> str:
+def patch_label(spec: str) -> str:
     """The part of a variant name a patch contributes: its name, ``mutant-<name>``, or a
     file's stem (characters outside ``[A-Za-z0-9._-]`` replaced, at most 64)."""
-    if isinstance(spec, Patch):
-        return spec.label
     if is_patch_file(spec):
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(spec).name[: -len(".patch")])
         return (stem.lstrip(".-") or "patch")[:_MAX_LABEL]
