@@ -1,4 +1,10 @@
-"""llama.cpp: building the binaries specaudit drives, and running llama-server."""
+"""llama.cpp: building the binaries specaudit drives, and running llama-server.
+
+`patches` (the bundled patches and mutants; `Patch`, one patch read once), `sdist` (the source
+of a build number), `sources` (the bytes a variant compiles, the shared work tree), `build`
+(cmake and the cache entries), `process` (the managed-server lifecycle), `server`
+(llama-server), `presets` (the named server roles).
+"""
 
 from specaudit.llama.build import TARGETS, LlamaBinaries, ensure, find
 from specaudit.llama.patches import (
