@@ -60,6 +60,7 @@ def test_an_engines_option_applies_to_that_engine_only(toy: None, cli: CliFn) ->
 def test_help_lists_a_registered_engine_and_its_option(toy: None, cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0 and "|toy]" in out and "--toy-mode [exact|greedy]" in out
+    assert "toy: an in-memory sampler" in " ".join(out.split())
 
 
 def test_an_unregistered_engine_is_a_usage_error(cli: CliFn) -> None:

@@ -141,6 +141,9 @@ class _DistCommand(click.Command):
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         params = super().get_params(ctx)
+        for p in params:
+            if isinstance(p, click.Option) and p.name == "engines":
+                p.help = _engine_help()  # engines registered since import are listed too
         at = next(i for i, p in enumerate(params) if p.name == "url") + 1
         own = [
             click.Option(
@@ -161,7 +164,7 @@ def _engine_help() -> str:
 
 
 @click.command("dist", cls=_DistCommand, epilog=PATHS_HELP + DIST_EXIT_HELP)
-@click.option("--engine", "engines", type=_EngineChoice(), multiple=True, help=_engine_help())
+@click.option("--engine", "engines", type=_EngineChoice(), multiple=True)
 @click.option(
     "--url",
     "url",
