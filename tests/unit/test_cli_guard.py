@@ -31,8 +31,9 @@ from aiohttp import web
 from fakes import Served, serve, serve_tcp
 from specaudit import ab, check, distribution, fixtures, paths
 from specaudit.cli import COMMANDS, crash
-from specaudit.errors import SpecauditError
+from specaudit.errors import ServerError, SpecauditError
 from specaudit.llama import free_port
+from specaudit.llama.process import ManagedServer
 from specaudit.outcome import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NO_DECISION
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -539,6 +540,56 @@ def test_the_proxy_answers_504_in_one_line_when_a_backend_never_answers(cache: P
             out, err = proc.communicate(timeout=BOUND)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+class _SilentServer(ManagedServer):
+    """A server process that listens on its port, accepts, and never answers: a llama-server
+    that hangs during start-up."""
+
+    def argv(self) -> list[str]:
+        script = (
+            "import socket, sys\n"
+            "s = socket.create_server((sys.argv[1], int(sys.argv[2])))\n"
+            "held = []\n"
+            "while True:\n"
+            "    held.append(s.accept())\n"
+        )
+        return [sys.executable, "-c", script, self.host, str(self.port)]
+
+
+def test_a_server_that_never_answers_during_start_up_is_one_line_not_a_hang(
+    tmp_path: Path,
+) -> None:
+    """What bounds `matrix` and `audit`: every server they start waits at most its
+    `startup_timeout` for readiness (then it is stopped), and every request after that has a
+    timeout of its own. Bounded by `_bounded` (a hang fails the test); no elapsed time is
+    asserted."""
+    srv = _SilentServer(name="silent", log_path=tmp_path / "silent.log", startup_timeout=1)
+    with pytest.raises(ServerError, match=r"^silent not healthy after 1s \(log "):
+        _bounded(srv.__enter__, BOUND)
+    assert not srv.alive()
+
+
+def _bounded(fn: Callable[[], Any], bound: float) -> Any:
+    """`fn()` in a thread: its result or exception, or AssertionError after `bound` seconds."""
+    import threading
+
+    done: list[tuple[bool, Any]] = []
+
+    def call() -> None:
+        try:
+            done.append((True, fn()))
+        except BaseException as e:  # handed to the caller
+            done.append((False, e))
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(bound)
+    assert done, f"still running after {bound}s"
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 # -------------------------------------------------------- huge --seeds, bounded memory
