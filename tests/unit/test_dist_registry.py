@@ -99,3 +99,25 @@ def test_a_request_is_frozen_and_carries_the_engines_options(tmp_path: Path) -> 
         req.seeds = 6  # type: ignore[misc]
     with pytest.raises(TypeError, match="unexpected keyword argument 'pathz'"):
         distribution.make_request(["server"], work_dir=tmp_path, pathz=["greedy"])
+
+
+def test_run_takes_the_request_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`run` checks nothing again: the request was checked when it was made."""
+    from types import SimpleNamespace
+
+    from specaudit.distribution import builtin, request, runner
+
+    req = distribution.make_request(["url"], url="http://127.0.0.1:9", work_dir=tmp_path, seeds=5)
+
+    def again(*a: object, **k: object) -> None:
+        raise AssertionError("checked again")
+
+    for module in (request, runner):
+        for name in ("make_request", "make_workload", "load_fixture", "url_list"):
+            monkeypatch.setattr(module, name, again)
+    monkeypatch.setattr(builtin, "ServerEngine", lambda *a, **k: SimpleNamespace(label="u"))
+    monkeypatch.setattr(
+        runner, "measure", lambda eng, spec, wl, seeds, **k: SimpleNamespace(seeds=seeds)
+    )
+    (res,) = distribution.run(req).engines
+    assert res.seeds == range(1, 6)
