@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 
 from specaudit import llama, matrix
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
-from specaudit.llama.patches import Patch
+from specaudit.llama.patches import Patch, resolve_all
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -30,7 +30,7 @@ def _progress(pct: float, msg: str) -> None:
     print(f"[specaudit] building llama.cpp b{OLD}: {pct:3.0f}% {msg[-70:]}", file=sys.stderr)
 
 
-def _ensure(build: int, patches: Sequence[Patch | str]) -> LlamaBinaries:
+def _ensure(build: int, patches: tuple[Patch, ...]) -> LlamaBinaries:
     return llama.ensure(build, patches, progress=_progress)
 
 
@@ -42,7 +42,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> matrix.MatrixResult:
 
 def test_the_port_applies_and_names_its_build() -> None:
     assert presets.PATCH in llama.available_patches(OLD)
-    bins = _ensure(OLD, (presets.PATCH,))
+    bins = _ensure(OLD, resolve_all((presets.PATCH,), OLD))
     assert bins.build == OLD and bins.variant.startswith(presets.PATCH + "-")
 
 
