@@ -276,7 +276,7 @@ def test_hostile_environment_is_one_line_exit_2(
 
 # --------------------------------------------------- real processes: argv bytes, memory cap
 
-MEMORY_CAP = 3 * 1024**3  # bytes of address space: the issue's `ulimit -v 3000000`
+MEMORY_CAP = 3 * 1024**3  # bytes of address space: `ulimit -v 3000000`
 
 
 def _cap_memory() -> None:
