@@ -21,13 +21,14 @@ forwarding core (`proxy.fast`) and aiohttp's path. For every combination:
   gives up after `BOUND`; nothing else about time is asserted.
 
 Modes a well-behaved proxy must serve (1xx, one byte per write, body until close, HTTP/1.0, a
-5 MB event, placeholders) are expected whole, and generated once (a request the backend
-answered must not be sent twice).
+5 MB event, placeholders) are expected whole. Whatever the mode, a request reaches the
+backends at most once: a backend that took it and then misbehaved is answered for, never sent
+the request again (docs/proxy.md, "When a request is sent twice").
 
 How aiohttp's path is chosen: a proxy with `ProxyConfig.total_timeout` set (here 60 s, far
-above anything these backends do) hands every request to aiohttp's path (`Proxy._fast_role`);
-each combination checks the core's own counter (`fast_path_total`) to confirm which transport
-served it.
+above anything these backends do) hands every request to aiohttp's path
+(`core.Shared.direct_role`); each combination checks the core's own counter (`fast_path_total`)
+to confirm which transport served it.
 
 Speed: eight proxies, one per (transport, stream, route), share two backends (plain and spec,
 `hostile_backend.Backend`) for the whole module; a mode's eight requests run at once, one per
@@ -399,6 +400,9 @@ def _check_hits(o: Outcome, expect: str, served: bool) -> None:
     """Routing and generation counts as the backends saw them; the transport as the core's
     counter saw it."""
     c = o.combo
+    # whatever the backend did once the request reached it, the request is not sent again
+    # (docs/proxy.md, "When a request is sent twice")
+    assert sum(o.hits.values()) <= 1, f"one request reached the backends {o.hits} times"
     if c.route == "logprobs":
         assert o.hits["spec"] == 0, f"a logprobs request reached the speculating backend: {o.hits}"
     if expect == "ok" and served:

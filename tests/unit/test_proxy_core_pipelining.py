@@ -51,7 +51,7 @@ def held_bytes(p: RunningProxy) -> list[int]:
     """Bytes of requests each of the core's client connections holds."""
 
     async def sizes() -> list[int]:
-        return [len(f.buf) for f in p.proxy._fronts]
+        return [len(f.buf) for f in p.proxy.fronts]
 
     return asyncio.run_coroutine_threadsafe(sizes(), p.loop).result(10)
 

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 import fakes
-from specaudit.proxy import ProxyConfig, RunningProxy, fast, serve_in_thread, wire
+from specaudit.proxy import ProxyConfig, RunningProxy, fast, http1, serve_in_thread, shared, wire
 
 PATHS = fast.PATHS
 HEAD = (
@@ -28,12 +28,12 @@ HEAD = (
 # request heads -----------------------------------------------------------------------------
 
 
-def parse(head: bytes) -> fast.RequestHead | None:
+def parse(head: bytes) -> http1.RequestHead | None:
     """As `fast.Front` reads a request: its head lines, then the blank line. None: the core
     hands it to aiohttp."""
     try:
-        h = fast.RequestReader().feed(head + b"\r\n", PATHS)
-    except fast.NotPlain:
+        h = http1.RequestReader().feed(head + b"\r\n", PATHS)
+    except http1.NotPlain:
         return None
     assert h is not None, "a complete head was read as incomplete"
     return h
@@ -83,7 +83,7 @@ def test_a_plain_post_is_taken() -> None:
         HEAD + b"Host: y\r\n",
         HEAD + b"Content-Type: text/plain\r\n",  # a second one: aiohttp's 400
         HEAD + b"Content-Encoding: gzip\r\n",
-        HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(fast.MAX_HEADERS)),
+        HEAD + b"".join(b"X-%d: 1\r\n" % i for i in range(http1.MAX_HEADERS)),
         HEAD.replace(b"POST /", b"POST  /"),  # llhttp takes runs of spaces: not the plain form
     ],
 )
@@ -96,12 +96,12 @@ def test_the_head_limit_holds_however_the_bytes_arrive() -> None:
     (it used to be served when its blank line came in the same write)."""
     head = HEAD + b"X-Long: " + b"a" * 100_000 + b"\r\n\r\n"
     for step in (len(head), 2048, 1):
-        r = fast.RequestReader()
+        r = http1.RequestReader()
         got: object = None
         for i in range(step, len(head) + step, step):
             try:
                 got = r.feed(head[:i], PATHS)
-            except fast.NotPlain:
+            except http1.NotPlain:
                 got = "hand over"
                 break
             assert got is None
@@ -111,30 +111,30 @@ def test_the_head_limit_holds_however_the_bytes_arrive() -> None:
     head = HEAD + b"X-Long: " + b"a" * fill + b"\r\n\r\n"
     assert len(head) == wire.MAX_HEAD
     for step in (len(head), 1000, 7):
-        r = fast.RequestReader()
+        r = http1.RequestReader()
         for i in range(step, len(head) + step, step):
             got = r.feed(head[:i], PATHS)
-        assert isinstance(got, fast.RequestHead) and got.end == len(head)
+        assert isinstance(got, http1.RequestHead) and got.end == len(head)
 
 
 def test_a_complete_bare_lf_request_is_handed_over_at_once() -> None:
     """llhttp (and so aiohttp) refuses bare LF line ends; the core hands such a request over
     as soon as its first bare LF arrives instead of waiting for a CRLF CRLF."""
-    r = fast.RequestReader()
-    with pytest.raises(fast.NotPlain):
+    r = http1.RequestReader()
+    with pytest.raises(http1.NotPlain):
         r.feed(b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 2\n\nab", PATHS)
 
 
 # response heads and chunked bodies ----------------------------------------------------------
 
 
-def read(raw: bytes) -> fast.ResponseReader:
-    r = fast.ResponseReader()
+def read(raw: bytes) -> http1.ResponseReader:
+    r = http1.ResponseReader()
     r.feed(raw)
     return r
 
 
-def response_head(raw: bytes) -> fast.ResponseHead:
+def response_head(raw: bytes) -> http1.ResponseHead:
     """The head of a response (without its blank line), or ValueError as the core sees it."""
     r = read(raw + b"\r\n\r\n")
     if r.error is not None:
@@ -196,7 +196,7 @@ def test_1xx_responses_before_the_answer_are_skipped() -> None:
         b"\r\nHTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
     )
     for step in (len(raw), 5, 1):
-        r = fast.ResponseReader()
+        r = http1.ResponseReader()
         body = b""
         for i in range(0, len(raw), step):
             r.feed(raw[i : i + step])
@@ -228,7 +228,7 @@ def test_dechunking_survives_any_split(seed: int) -> None:
         + _chunked(pieces, ext=seed % 3 == 0, trailers=seed % 2 == 0)
         + b"EXTRA" * (seed % 4 == 1)
     )
-    r = fast.ResponseReader()
+    r = http1.ResponseReader()
     got = b""
     i = 0
     while i < len(raw):
@@ -268,8 +268,8 @@ def test_response_head_for_the_client() -> None:
 
 
 def test_https_backends_are_left_to_aiohttp() -> None:
-    assert fast.target("https://example.com:8443/x") is None
-    t = fast.target("http://127.0.0.1:8080/prefix")
+    assert shared.target("https://example.com:8443/x") is None
+    t = shared.target("http://127.0.0.1:8080/prefix")
     assert t is not None and (t.host, t.port, t.prefix_b) == ("127.0.0.1", 8080, b"/prefix")
 
 
@@ -365,29 +365,6 @@ def test_a_chunked_request_and_health_on_the_same_connection() -> None:
             health = read_responses(s, 1)
         assert [st for st, _ in got] == [200, 200] and health[0][0] == 200
         assert json.loads(health[0][1])["status"] == "ok"
-
-
-def test_a_backend_error_is_given_back_and_relayed_once() -> None:
-    hits = []
-
-    async def spec(request: web.BaseRequest) -> web.StreamResponse:
-        if request.path == "/slots":
-            return web.json_response([{"id": 0, "speculative": True}])
-        if request.path == "/health":
-            return web.json_response({"status": "ok"})
-        hits.append(request.path)
-        return web.json_response(
-            {"error": {"message": "context too long", "code": 400}}, status=400
-        )
-
-    with proxy_over(spec) as p:
-        r = httpx.post(p.url + "/v1/completions", content=BODY)
-        assert r.status_code == 400 and r.json()["error"]["message"] == "context too long"
-        assert metric(p, "fast_path_total") == {'{outcome="given_back"}': 1}
-        # counted once, by the path that answered
-        reqs = metric(p, "requests_total")
-        assert sum(reqs.values()) == 1 and next(iter(reqs)).endswith('status="400"}')
-    assert hits == ["/v1/completions", "/v1/completions"]  # the core's try, then aiohttp's
 
 
 def test_a_stream_is_relayed_as_its_events_arrive() -> None:

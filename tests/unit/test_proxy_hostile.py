@@ -29,8 +29,8 @@ from aiohttp import web
 
 import fakes
 from specaudit.llama import free_port
-from specaudit.proxy import H_PLACEHOLDERS, ProxyConfig, RunningProxy, serve_in_thread, sse
-from specaudit.proxy import server as server_mod
+from specaudit.proxy import H_PLACEHOLDERS, ProxyConfig, RunningProxy, redact, serve_in_thread, sse
+from specaudit.proxy import shared as shared_mod
 from specaudit.proxy.placeholders import check_body, check_event
 from specaudit.proxy.routing import Kind
 
@@ -190,7 +190,7 @@ def test_a_failing_check_ends_a_stream_with_an_error_event(monkeypatch: pytest.M
             raise RuntimeError("hostile")
         return check_event(*a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(server_mod, "check_event", broken)
+    monkeypatch.setattr(shared_mod, "check_event", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json={**REQ, "stream": True})
         objs = sse_objects(r.content)  # complete events, not a torn connection
@@ -204,7 +204,7 @@ def test_a_failing_check_of_a_body_is_a_clean_json_error(monkeypatch: pytest.Mon
     def broken(*a: object, **k: object) -> object:
         raise RuntimeError("hostile")
 
-    monkeypatch.setattr(server_mod, "check_body", broken)
+    monkeypatch.setattr(shared_mod, "check_body", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json=REQ)
         assert r.status_code == 500
@@ -349,14 +349,14 @@ def test_redaction_masks_messages_and_tracebacks(message: str) -> None:
         (text,),
         (type(exc), exc, exc.__traceback__),
     )
-    assert server_mod._REDACT.filter(rec)
+    assert redact.REDACT.filter(rec)
     out = _formatted([rec])
     assert SECRET not in out and "[redacted]" in out and "ValueError" in out
 
 
 def test_redaction_is_installed_on_the_loggers_that_write(dead_px: RunningProxy) -> None:
     for name in ("specaudit.proxy", "aiohttp.server", "aiohttp.access", "asyncio"):
-        assert server_mod._REDACT in logging.getLogger(name).filters
+        assert redact.REDACT in logging.getLogger(name).filters
 
 
 # ------------------------------------------------------------ D3: linear event splitting

@@ -6,7 +6,7 @@ whitespace; control and non-ASCII bytes; chunk extensions; huge heads; missing o
 Host; a blank line first), and cuts it at random points (TCP splits). The pieces go, in order,
 to three readers:
 
-- the core: `fast.RequestReader.message`, driven as `fast.Front` drives it. Each request it
+- the core: `http1.RequestReader.message`, driven as `fast.Front` drives it. Each request it
   takes is (path, body, where it starts, its length); at the first one it does not take, it
   hands the connection over with every byte from that request's first one;
 - aiohttp's request parser (llhttp with aiohttp's own checks: the parser of aiohttp's path,
@@ -33,7 +33,7 @@ Responses. Hypothesis builds a backend's response (1xx heads first or not; statu
 versions valid or not; Content-Type values with bare LF, CR, NUL and other controls, obs-fold,
 non-ASCII; Content-Length right, short, long, doubled; chunked with extensions and trailers,
 broken chunks, CL with TE, other codings; a body until close; bytes after the response), cut
-at random points and followed by the end of the connection. It goes to `fast.ResponseReader`
+at random points and followed by the end of the connection. It goes to `http1.ResponseReader`
 and to h11 (the client of one request). Where the core accepts the response (no error, and
 complete, or delimited by the close), h11 must accept it too with the same status,
 Content-Type and body bytes, after the same number of 1xx heads; and the accepted
@@ -60,7 +60,7 @@ from aiohttp.http_parser import HttpRequestParser
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from specaudit.proxy import fast, wire
+from specaudit.proxy import fast, http1, wire
 
 EXAMPLES = 400  # per property in the suite
 MAX_BODY = 4 << 20
@@ -205,16 +205,16 @@ def core_reads(pieces: list[bytes]) -> tuple[list[Taken], str]:
     more bytes) or "idle"."""
     buf = b""
     offset = 0
-    reader: fast.RequestReader | None = None
+    reader: http1.RequestReader | None = None
     taken: list[Taken] = []
     for piece in pieces:
         buf += piece
         while buf:
             if reader is None:
-                reader = fast.RequestReader()
+                reader = http1.RequestReader()
             try:
                 got = reader.message(buf, fast.PATHS, MAX_BODY)
-            except fast.NotPlain:
+            except http1.NotPlain:
                 return taken, "handed over"
             if got is None:
                 break
@@ -420,7 +420,7 @@ class CoreResponse:
 def core_response(pieces: list[bytes]) -> CoreResponse | str:
     """The response as the core reads it, the connection closing after the pieces; or why it
     refuses it (then the request goes back to aiohttp's path)."""
-    r = fast.ResponseReader()
+    r = http1.ResponseReader()
     body = b""
     for piece in pieces:
         r.feed(piece)

@@ -13,29 +13,70 @@ speculation, everything else to the fast one — done once, in front of every cl
 
 Library use: ``with serve_in_thread(ProxyConfig(plain_url, spec_url, port=0)) as p: p.url``,
 or ``run(config)`` to serve in the foreground. See docs/proxy.md.
+
+The names below are loaded on first use, so that ``specaudit.proxy.routing`` and
+``specaudit.proxy.placeholders`` (what the LiteLLM callback shares with the proxy) import
+without aiohttp, the forwarding core or the server.
 """
 
-from specaudit.proxy.backends import BackendStatus, State
-from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError, parse_listen
-from specaudit.proxy.routing import Kind, Plan, RequestError, Route
-from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
-from specaudit.proxy.server import (
-    H_ANNOTATED,
-    H_BACKEND,
-    H_FALLBACK,
-    H_PLACEHOLDERS,
-    H_ROUTE,
-    Proxy,
-    ProxyStats,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specaudit.proxy.backends import BackendStatus, State
+    from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError, parse_listen
+    from specaudit.proxy.lifecycle import Proxy
+    from specaudit.proxy.routing import Kind, Plan, RequestError, Route
+    from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
+    from specaudit.proxy.shared import (
+        H_ANNOTATED,
+        H_BACKEND,
+        H_FALLBACK,
+        H_PLACEHOLDERS,
+        H_ROUTE,
+        ProxyStats,
+    )
+
+_HOMES = {
+    "BackendStatus": "backends",
+    "State": "backends",
+    "OnPlainDown": "config",
+    "ProxyConfig": "config",
+    "ProxyError": "config",
+    "parse_listen": "config",
+    "H_ANNOTATED": "shared",
+    "H_BACKEND": "shared",
+    "H_FALLBACK": "shared",
+    "H_PLACEHOLDERS": "shared",
+    "H_ROUTE": "shared",
+    "ProxyStats": "shared",
+    "Kind": "routing",
+    "Plan": "routing",
+    "RequestError": "routing",
+    "Route": "routing",
+    "RunningProxy": "runner",
+    "run": "runner",
+    "serve_in_thread": "runner",
+    "Proxy": "lifecycle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
+    "BackendStatus",
     "H_ANNOTATED",
     "H_BACKEND",
     "H_FALLBACK",
     "H_PLACEHOLDERS",
     "H_ROUTE",
-    "BackendStatus",
     "Kind",
     "OnPlainDown",
     "Plan",

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from specaudit.proxy.config import ProxyConfig, ProxyError
-from specaudit.proxy.server import Proxy, ProxyStats
+from specaudit.proxy.lifecycle import Proxy
+from specaudit.proxy.shared import ProxyStats
 
 LOOPS = ("auto", "uvloop", "asyncio")
 

@@ -1,0 +1,202 @@
+"""The proxy as one object: start, serve on both transports, check roles, stop gracefully.
+
+`Proxy` is the shared layer (`core.Shared`) plus what owns the sockets and tasks: the listener
+(every connection starts on the forwarding core, `fast.Front`), aiohttp's server for what the
+core hands over (`server.AiohttpPath`), aiohttp's client sessions (`aio_client.Client`) and
+the role checks (`health.Checker`). It is the only module that knows both transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from specaudit import __version__
+from specaudit.proxy import fast
+from specaudit.proxy.aio_client import Client
+from specaudit.proxy.backends import State
+from specaudit.proxy.config import ProxyConfig, ProxyError
+from specaudit.proxy.health import Checker
+from specaudit.proxy.redact import install_log_redaction
+from specaudit.proxy.server import AiohttpPath
+from specaudit.proxy.shared import PLAIN, SPEC, Outcome, Shared
+from specaudit.proxy.slow_clients import BODY, HANDLING, IDLE, RequestHandler, WebServer
+
+log = logging.getLogger("specaudit.proxy")
+
+ABORT_WAIT = 1.0  # seconds, on stop: for the requests ended after the grace period to finish
+
+
+class Proxy(Shared):
+    """``await Proxy(config).start()``; then ``proxy.url`` serves until ``await proxy.stop()``."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        super().__init__(config)
+        self.client = Client(self)
+        self.checker = Checker(self, self.client)
+        self.aiohttp_path = AiohttpPath(self, self.client, self.checker)
+        self._check_task: asyncio.Task[None] | None = None
+        self._web: WebServer | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._hurry: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        """Check both backends' roles, then listen. Refuses to start if plain speculates."""
+        install_log_redaction()
+        self.started = time.monotonic()
+        self._hurry = asyncio.Event()
+        self.draining = False
+        self.checker.start()
+        self.client.open_sessions()
+        try:
+            await self.check_backends()
+            plain = self.backends[PLAIN]
+            if plain.state is State.UNUSABLE:
+                raise ProxyError(f"refusing to start: the plain backend {plain.url} {plain.detail}")
+            for b in self.backends.values():
+                if b.state is not State.UP:
+                    log.warning("%s backend %s is %s: %s", b.role, b.url, b.state.value, b.detail)
+                if b.warning:
+                    log.warning("%s backend %s: %s", b.role, b.url, b.warning)
+            self._web = web = self.aiohttp_path.web_server()
+            self.adopter = web
+            loop = asyncio.get_running_loop()
+            try:
+                self._server = await loop.create_server(
+                    lambda: fast.Front(self),
+                    self.config.host,
+                    self.config.port,
+                    reuse_address=True,
+                    backlog=1024,
+                )
+            except OSError as e:
+                raise ProxyError(
+                    f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror or e}"
+                ) from None
+            sock = self._server.sockets[0]
+            self.port = int(sock.getsockname()[1])
+            self._check_task = asyncio.create_task(self.checker.loop())
+            if not self.config.loopback:
+                log.warning(
+                    "listening on %s: anyone who can reach it can use both backends",
+                    self.config.host,
+                )
+            log.info(
+                "specaudit proxy %s on %s: plain %s (%s), spec %s (%s), on plain down: %s",
+                __version__,
+                self.url,
+                self.config.plain,
+                self.backends[PLAIN].state.value,
+                self.config.spec,
+                self.backends[SPEC].state.value,
+                self.config.on_plain_down.value,
+            )
+        except BaseException:
+            await self.client.close()
+            raise
+
+    async def check_backends(self) -> None:
+        """Read both backends' roles now."""
+        await self.checker.check_backends()
+
+    def hurry(self) -> None:
+        """End a `stop` in progress without waiting for the rest of its grace period."""
+        if self._hurry is not None:
+            self._hurry.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop gracefully: stop accepting, let the requests in flight finish for up to
+        `grace` seconds (default ``config.shutdown_grace``), then end the rest: a stream with
+        an SSE error event, a request not yet answered with a 503. Returns within about
+        ``grace + 1.5`` seconds whatever the backends and clients do."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self._check_task is not None:
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._check_task
+            self._check_task = None
+        if self._server is not None:
+            self.draining = True
+            self._server.close()  # no new connections
+            for front in list(self.fronts):
+                if front.busy is None:
+                    if front.got_bytes and front.buf:
+                        front.hand_over()  # a request begun: aiohttp's path answers it (503)
+                    elif front.transport is not None:
+                        front.transport.close()  # idle: close now
+            if self._web is not None:
+                for conn in self._web.connections:
+                    phase = conn.phase if isinstance(conn, RequestHandler) else IDLE
+                    if phase == HANDLING:
+                        conn.close()  # closed once its answer is out
+                    elif (
+                        phase != BODY
+                    ):  # BODY: the request's answer closes it (`AiohttpPath.handle`)
+                        conn.force_close()  # idle, or a request not yet begun: close now
+            if self.inflight:
+                log.info(
+                    "stopping: %d request(s) in flight, waiting up to %gs",
+                    len(self.inflight),
+                    grace,
+                )
+            await self._drain(grace)
+            for task, o in list(self.inflight.items()):
+                self._abort(task, o)
+            if self.inflight:  # each ends at once: its error event or 503 is written
+                await asyncio.wait(set(self.inflight), timeout=ABORT_WAIT)
+            if self._web is not None:
+                # whatever is left (a client not reading its answer) is cut here
+                await self._web.shutdown(timeout=ABORT_WAIT / 2)
+            for front in list(self.fronts):
+                if front.transport is not None:
+                    front.transport.abort()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), ABORT_WAIT)
+            self._server = None
+        await self.client.close()
+        for pool in self.pools.values():
+            while pool:
+                pool.pop().close()
+
+    async def _drain(self, grace: float) -> None:
+        """Wait until no request is in flight, `grace` has passed, or `hurry` was called."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        hurry = self._hurry
+        while self.inflight and not (hurry is not None and hurry.is_set()):
+            left = end - loop.time()
+            if left <= 0:
+                return
+            waiter = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
+            try:
+                await asyncio.wait(
+                    {*self.inflight, *([waiter] if waiter else [])},
+                    timeout=left,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                if waiter is not None:
+                    waiter.cancel()
+
+    def _abort(self, task: asyncio.Future[Any], o: Outcome) -> None:
+        """End one request at the end of the grace period."""
+        if o.shutdown or task.done():
+            return
+        o.shutdown = True
+        if o.stop_stream is not None:
+            # a stream being relayed ends with an error event (`stream_relay`); a fast-path
+            # request ends itself (`fast.Exchange.shut_down`: the error event, or a 503)
+            o.stop_stream()
+        else:
+            # nothing sent yet: the handler answers 503 (`AiohttpPath.handle`)
+            task.cancel()
+
+    async def __aenter__(self) -> Proxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
