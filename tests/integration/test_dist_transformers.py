@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from specaudit.distribution import hf
 from specaudit.stats import Verdict
 
 # 3 tokens, positions 1-2 and their joint, tolerance 0.2: decided in a few hundred samples
-SMALL = dict(tokens=3, positions=2, joint=2, sequential=True, tolerance=0.2)
+SMALL: dict[str, Any] = dict(tokens=3, positions=2, joint=2, sequential=True, tolerance=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_every_generator_keeps_the_distribution(
     kind: str, fixture_set: fixtures.FixtureSet, context_fixture: fixtures.FixtureSet
 ) -> None:
     fs = fixture_set if kind == "last-token" else context_fixture
-    req = distribution.make_request(["transformers"], fixture=fs, seeds=600, **SMALL)  # type: ignore[arg-type]
+    req = distribution.make_request(["transformers"], fixture=fs, seeds=600, **SMALL)
     res = distribution.run(req)
     assert [e.kind for e in res.engines] == [f"transformers-{g}" for g in hf.GENERATORS]
     for e in res.engines:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -11,9 +12,9 @@ from specaudit import fixtures
 
 
 def test_pre_sampling_probs_match_the_closed_form(
-    server: Callable[[str], object], fixture_set: fixtures.FixtureSet
+    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet
 ) -> None:
-    url = server("fixture-plain").url  # type: ignore[attr-defined]
+    url = server("fixture-plain").url
     spec = fixture_set.spec
     worst = 0.0
     checked_positions = 0

@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -157,11 +158,11 @@ def test_no_orphan_when_the_parent_is_interrupted_or_killed(
 
 
 @pytest.mark.gemma
-def test_gemma_answers(server: Callable[[str], object]) -> None:
+def test_gemma_answers(server: Callable[[str], Any]) -> None:
     for name in ("gemma-plain", "gemma-spec"):
         h = server(name)
         r = httpx.post(
-            f"{h.url}/completion",  # type: ignore[attr-defined]
+            f"{h.url}/completion",
             json={"prompt": "The capital of France is", "n_predict": 4, "temperature": 0},
             timeout=120,
         )

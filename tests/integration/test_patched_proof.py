@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -19,12 +20,12 @@ from specaudit.stats import Verdict
 CliFn = Callable[..., tuple[int, str, str]]
 
 
-def _url(server: Callable[[str], object], name: str) -> str:
-    return str(server(name).url)  # type: ignore[attr-defined]
+def _url(server: Callable[[str], Any], name: str) -> str:
+    return str(server(name).url)
 
 
 def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
-    server: Callable[[str], object], fixture_set: fixtures.FixtureSet, cli: CliFn
+    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet, cli: CliFn
 ) -> None:
     url = _url(server, "fixture-spec-patched")
     code, out, err = cli("check", url, "--prompt", fixture_set.spec.prompt, "--json")
@@ -43,7 +44,7 @@ def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
 
 
 @pytest.mark.gemma
-def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], object]) -> None:
+def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], Any]) -> None:
     stock = check.run(_url(server, "gemma-spec"), endpoint="chat", tokens=24)
     patched = check.run(_url(server, "gemma-spec-patched"), endpoint="chat", tokens=24)
     assert stock.exit_code == 1 and stock.placeholders > 0
@@ -52,7 +53,7 @@ def test_check_on_patched_gemma_chat_is_real(server: Callable[[str], object]) ->
 
 
 def test_ab_patched_spec_against_plain_is_consistent(
-    server: Callable[[str], object], fixture_set: fixtures.FixtureSet
+    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet
 ) -> None:
     settings = ab.Settings(seeds=5, tokens=32, prompt=fixture_set.spec.prompt, endpoint="chat")
     res = ab.run(_url(server, "fixture-plain"), _url(server, "fixture-spec-patched"), settings)
@@ -65,7 +66,7 @@ def test_ab_patched_spec_against_plain_is_consistent(
 
 
 def test_dist_on_the_patched_server_is_still_preserved(
-    server: Callable[[str], object], fixture_set: fixtures.FixtureSet
+    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet
 ) -> None:
     spec = fixture_set.spec
     wl = distribution.make_workload(spec)

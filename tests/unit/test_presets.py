@@ -6,14 +6,15 @@ from pathlib import Path
 
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.server import LlamaServer
 
 
 def _bins(tmp_path: Path) -> LlamaBinaries:
     return LlamaBinaries(build=11434, variant="stock", bin_dir=tmp_path)
 
 
-def _args(srv: object) -> list[str]:
-    argv = srv.argv()  # type: ignore[attr-defined]
+def _args(srv: LlamaServer) -> list[str]:
+    argv = srv.argv()
     return argv[1:]
 
 
