@@ -83,8 +83,15 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, ClientError
-from specaudit.logprobs import TokenClass, classify
-from specaudit.proxy.routing import Kind, requested_candidates, wants_logprobs
+from specaudit.integrations.litellm_checks import (
+    check_chunk,
+    check_entries,
+    check_response,
+    hidden_params,
+    requested,
+    server_root,
+    wants,
+)
 
 log = logging.getLogger("specaudit.litellm")
 
@@ -125,134 +132,6 @@ class Stats:
     placeholders: int = 0
     role_checks: int = 0
     served_by: dict[str, int] = field(default_factory=dict)  # server root -> logprobs requests
-
-
-def server_root(api_base: str) -> str:
-    """llama-server's root from an OpenAI ``api_base`` (drops a trailing ``/v1``)."""
-    base = api_base.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
-
-
-def _get(o: Any, k: str) -> Any:
-    return o.get(k) if isinstance(o, dict) else getattr(o, k, None)
-
-
-def _set(o: Any, k: str, v: Any) -> None:
-    if isinstance(o, dict):
-        o[k] = v
-    else:
-        setattr(o, k, v)
-
-
-def _hidden(obj: Any) -> Any:
-    """A response's ``_hidden_params``: a dict (chat) or LiteLLM's `HiddenParams` (text
-    completions), both with ``get`` and item assignment; None otherwise."""
-    h = getattr(obj, "_hidden_params", None)
-    return h if hasattr(h, "get") and hasattr(h, "__setitem__") else None
-
-
-def _kind(request: dict[str, Any]) -> Kind:
-    return Kind.CHAT if request.get("messages") is not None else Kind.COMPLETIONS
-
-
-def _fields(request: dict[str, Any]) -> dict[str, Any]:
-    body = {k: request.get(k) for k in ("logprobs", "top_logprobs", "n_probs")}
-    return {k: v for k, v in body.items() if v is not None}
-
-
-def wants(request: dict[str, Any]) -> bool:
-    """The routing rule (`specaudit.proxy.routing.wants_logprobs`): does the request ask for
-    logprobs at all (``logprobs: true``, ``top_logprobs > 0``, ``n_probs > 0``...)?"""
-    try:
-        return wants_logprobs(_kind(request), _fields(request))
-    except (TypeError, ValueError):
-        return True  # an odd value still asks for logprobs: never a speculating deployment
-
-
-def requested(request: dict[str, Any]) -> int:
-    """Candidates per token llama-server computes for the request (its n_probs); 0: none, so
-    there is nothing to check."""
-    try:
-        return max(requested_candidates(_kind(request), _fields(request)), 0)
-    except (TypeError, ValueError):
-        return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# the token check, on LiteLLM's response objects (pydantic) or plain dicts
-
-
-def check_entries(entries: Iterable[Any], n: int) -> tuple[int, int]:
-    """(tokens, placeholders) over ``{token, logprob, top_logprobs}`` entries; placeholders'
-    ``logprob`` set to None in place."""
-    tokens = ph = 0
-    for e in entries:
-        if e is None:
-            continue
-        tokens += 1
-        tops = _get(e, "top_logprobs")
-        k = len(tops) if isinstance(tops, list | dict) else 0
-        if classify(n, k) is TokenClass.PLACEHOLDER:
-            _set(e, "logprob", None)
-            ph += 1
-    return tokens, ph
-
-
-def _check_choice(lp: Any, n: int) -> tuple[int, int] | None:
-    if lp is None:
-        return None
-    content = _get(lp, "content")
-    if isinstance(content, list) and content:
-        return check_entries(content, n)
-    tokens, values, tops = _get(lp, "tokens"), _get(lp, "token_logprobs"), _get(lp, "top_logprobs")
-    if isinstance(tokens, list) and isinstance(values, list):  # legacy completions form
-        ph = 0
-        for i in range(min(len(tokens), len(values))):
-            top = tops[i] if isinstance(tops, list) and i < len(tops) else None
-            if (
-                classify(n, len(top) if isinstance(top, dict | list) else 0)
-                is TokenClass.PLACEHOLDER
-            ):
-                values[i] = None
-                ph += 1
-        return len(tokens), ph
-    return None
-
-
-def check_response(response: Any, n: int) -> tuple[int, int]:
-    """(tokens, placeholders) of a non-streamed ModelResponse / TextCompletionResponse."""
-    tokens = ph = 0
-    for ch in _get(response, "choices") or []:
-        got = _check_choice(_get(ch, "logprobs"), n)
-        if got is not None:
-            tokens, ph = tokens + got[0], ph + got[1]
-    return tokens, ph
-
-
-def _missing(text: str) -> Any:
-    from litellm.types.utils import ChatCompletionTokenLogprob, ChoiceLogprobs
-
-    entry = ChatCompletionTokenLogprob.model_construct(
-        token=text, bytes=list(text.encode("utf-8", "surrogatepass")), logprob=None, top_logprobs=[]
-    )
-    return ChoiceLogprobs.model_construct(content=[entry], refusal=None)
-
-
-def check_chunk(chunk: Any, n: int) -> tuple[int, int]:
-    """(tokens, placeholders) of one streamed chunk. A token chunk with no entry at all (what a
-    speculating llama-server streams) gets one with ``logprob: None``."""
-    tokens = ph = 0
-    for ch in _get(chunk, "choices") or []:
-        got = _check_choice(_get(ch, "logprobs"), n)
-        if got is not None:
-            tokens, ph = tokens + got[0], ph + got[1]
-            continue
-        delta = _get(ch, "delta")
-        text = _get(delta, "content") if delta is not None else _get(ch, "text")
-        if isinstance(text, str) and text:
-            _set(ch, "logprobs", _missing(text))
-            tokens, ph = tokens + 1, ph + 1
-    return tokens, ph
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +445,7 @@ class SpecauditRouting(CustomLogger):
         n = requested(dict(request))
         if not n or not hasattr(response, "choices") or isinstance(response, _stream_type()):
             return
-        hidden = _hidden(response)
+        hidden = hidden_params(response)
         tokens, ph = check_response(response, n)
         base = request.get("api_base") or (hidden.get("api_base") if hidden is not None else None)
         self._count({"api_base": base}, tokens, ph)
@@ -604,7 +483,7 @@ class SpecauditRouting(CustomLogger):
         request_headers: dict[str, str] | None = None,
         litellm_call_info: dict[str, Any] | None = None,
     ) -> dict[str, str] | None:
-        hidden = _hidden(response)
+        hidden = hidden_params(response)
         n = hidden.get(HIDDEN_KEY) if hidden is not None else None
         return {HEADER: str(n)} if isinstance(n, int) else None
 
@@ -783,7 +662,7 @@ def _check_streamed(stream: Any, chunk: Any) -> Any:
         state["ph"] += ph
         handler.stats.tokens_checked += tokens
         handler.stats.placeholders += ph
-        hidden = _hidden(chunk)
+        hidden = hidden_params(chunk)
         if hidden is not None:
             hidden[HIDDEN_KEY] = state["ph"]
     return chunk

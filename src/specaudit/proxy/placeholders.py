@@ -9,6 +9,11 @@ and, in streams, adds the entry the server left out, with ``logprob: null``.
 
 Everything here mutates the parsed JSON in place and says how many tokens it looked at and
 how many it rewrote, so the caller can forward the original bytes when nothing changed.
+
+One walker for the proxy and the LiteLLM callback (`specaudit.integrations.litellm_checks`):
+a node is a parsed-JSON dict or an object with attributes (LiteLLM's pydantic responses), so
+the same rule finds the same placeholders in both. This module imports neither aiohttp nor
+LiteLLM.
 """
 
 from __future__ import annotations
@@ -32,8 +37,29 @@ class Tally:
         self.placeholders += other.placeholders
 
 
-def _candidates(entry: dict[str, Any]) -> int:
-    c = entry.get("top_probs") if "top_probs" in entry else entry.get("top_logprobs")
+def is_node(o: Any) -> bool:
+    """A dict (parsed JSON) or an object with attributes (a pydantic response)."""
+    return isinstance(o, dict) or hasattr(o, "__dict__")
+
+
+def get(o: Any, k: str) -> Any:
+    return o.get(k) if isinstance(o, dict) else getattr(o, k, None)
+
+
+def put(o: Any, k: str, v: Any) -> None:
+    if isinstance(o, dict):
+        o[k] = v
+    else:
+        setattr(o, k, v)
+
+
+def _has(o: Any, k: str) -> bool:
+    """A dict's key (even null), an object's attribute that is set."""
+    return k in o if isinstance(o, dict) else getattr(o, k, None) is not None
+
+
+def _candidates(entry: Any) -> int:
+    c = get(entry, "top_probs") if _has(entry, "top_probs") else get(entry, "top_logprobs")
     return len(c) if isinstance(c, list | dict) else 0
 
 
@@ -41,26 +67,26 @@ def check_entries(entries: list[Any], requested: int) -> Tally:
     """Token entries ``{token, logprob|prob, top_logprobs|top_probs}``; placeholders -> null."""
     t = Tally()
     for e in entries:
-        if not isinstance(e, dict):
+        if not is_node(e):
             continue
         t.tokens += 1
         if classify(requested, _candidates(e)) is TokenClass.PLACEHOLDER:
-            if "prob" in e or "top_probs" in e:
-                e["prob"] = None
-                if "logprob" in e:
-                    e["logprob"] = None
+            if _has(e, "prob") or _has(e, "top_probs"):
+                put(e, "prob", None)
+                if _has(e, "logprob"):
+                    put(e, "logprob", None)
             else:
-                e["logprob"] = None
+                put(e, "logprob", None)
             t.placeholders += 1
     return t
 
 
-def _check_legacy(lp: dict[str, Any], requested: int) -> Tally:
+def _check_legacy(lp: Any, requested: int) -> Tally:
     """OpenAI legacy completions form: ``tokens``, ``token_logprobs``, ``top_logprobs``."""
     t = Tally()
-    tokens = lp.get("tokens")
-    values = lp.get("token_logprobs")
-    tops = lp.get("top_logprobs")
+    tokens = get(lp, "tokens")
+    values = get(lp, "token_logprobs")
+    tops = get(lp, "top_logprobs")
     if not isinstance(tokens, list) or not isinstance(values, list):
         return t
     for i in range(len(tokens)):
@@ -73,14 +99,15 @@ def _check_legacy(lp: dict[str, Any], requested: int) -> Tally:
     return t
 
 
-def _check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
-    """None when the choice carries no token entries at all."""
-    if not isinstance(lp, dict):
+def check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
+    """A choice's ``logprobs`` (chat ``content`` entries, or the legacy completions form);
+    None when it carries no token entries at all."""
+    if not is_node(lp):
         return None
-    content = lp.get("content")
+    content = get(lp, "content")
     if isinstance(content, list):
         return check_entries(content, requested) if content else None
-    if "tokens" in lp:
+    if _has(lp, "tokens"):
         return _check_legacy(lp, requested)
     return None
 
@@ -100,7 +127,7 @@ def check_body(kind: Kind, body: Any, requested: int) -> Tally:
         return t
     for ch in body["choices"]:
         if isinstance(ch, dict):
-            sub = _check_choice_logprobs(ch.get("logprobs"), requested)
+            sub = check_choice_logprobs(ch.get("logprobs"), requested)
             if sub is not None:
                 t.add(sub)
     return t
@@ -159,7 +186,7 @@ def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = Fa
     for ch in choices:
         if not isinstance(ch, dict):
             continue
-        sub = _check_choice_logprobs(ch.get("logprobs"), requested)
+        sub = check_choice_logprobs(ch.get("logprobs"), requested)
         if sub is not None:
             t.add(sub)
             continue
