@@ -13,18 +13,23 @@ import fakes
 from specaudit import distribution, fixtures
 
 
-def _handler(models: Any, text: str = "fhag") -> fakes.Handler:
-    seen: list[dict[str, Any]] = []
+class _Handler:
+    """An OpenAI-compatible server's /v1/models and completions; keeps every body it got."""
 
-    async def handle(req: web.BaseRequest) -> web.StreamResponse:
+    def __init__(self, models: Any, text: str) -> None:
+        self.models = models
+        self.text = text
+        self.seen: list[dict[str, Any]] = []
+
+    async def __call__(self, req: web.BaseRequest) -> web.StreamResponse:
         if req.path == "/v1/models":
-            return web.json_response(models)
-        body = json.loads(await req.read())
-        seen.append(body)
-        return web.json_response({"choices": [{"text": text, "index": 0}]})
+            return web.json_response(self.models)
+        self.seen.append(json.loads(await req.read()))
+        return web.json_response({"choices": [{"text": self.text, "index": 0}]})
 
-    handle.seen = seen  # type: ignore[attr-defined]
-    return handle
+
+def _handler(models: Any, text: str = "fhag") -> _Handler:
+    return _Handler(models, text)
 
 
 SPEC = fixtures.default_spec()
@@ -37,7 +42,7 @@ def test_body_sets_every_knob_and_neutral_penalties() -> None:
     with fakes.serve(h) as s:
         eng = distribution.OpenAIEngine(s.url, SPEC, WL)
         (sample,) = distribution.collect(eng, [7])
-    (body,) = h.seen  # type: ignore[attr-defined]
+    (body,) = h.seen
     assert sample.text == "fhag" and sample.drafted is None
     assert body["seed"] == 7 and body["model"] == "/somewhere/target.gguf"
     assert (body["top_k"], body["top_p"], body["min_p"], body["temperature"]) == (3, 1.0, 0.0, 1.0)
