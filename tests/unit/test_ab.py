@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,9 @@ def test_empty_response_has_no_means() -> None:
 
 def test_t_interval_matches_scipy_and_degenerate_cases() -> None:
     xs = [-0.5158, -0.6775, -0.3832, -0.3360, -0.4898]
-    lo, hi = ab.t_interval(xs)  # type: ignore[misc]
+    ci = ab.t_interval(xs)
+    assert ci is not None
+    lo, hi = ci
     ref = stats.ttest_1samp(xs, 0.0).confidence_interval(0.95)
     assert lo == pytest.approx(ref.low) and hi == pytest.approx(ref.high)
     assert ab.t_interval([1.0]) is None
@@ -142,7 +145,8 @@ def test_paired_delta() -> None:
     assert d.mean == pytest.approx((0.4 + 0.2 + 0.3) / 3)
     ref = stats.ttest_rel([-0.1, -0.2, -0.15], [-0.5, -0.4, -0.45])
     assert d.p_value == pytest.approx(ref.pvalue)
-    assert d.ci_low is not None and d.ci_low < d.mean < d.ci_high  # type: ignore[operator]
+    assert d.ci_low is not None and d.mean is not None and d.ci_high is not None
+    assert d.ci_low < d.mean < d.ci_high
     one = ab.paired("x", a, b, alternative="greater")
     assert one.p_value == pytest.approx(ref.pvalue / 2)
     same = ab.paired("x", {1: -1.0, 2: -2.0}, {1: -1.0, 2: -2.0})
@@ -157,7 +161,7 @@ def test_paired_delta() -> None:
 # verdict rules, on constructed per-seed numbers
 
 
-def resp(side: str, seed: int, values: list[float | None]) -> ab.Response:
+def resp(side: str, seed: int, values: Sequence[float | None]) -> ab.Response:
     """A response whose tokens have these logprobs (None = placeholder sent as 0.0)."""
     real = [v for v in values if v is not None]
     return ab.Response(
@@ -187,7 +191,7 @@ def verdict_of(responses: list[ab.Response]) -> ab.VerdictInfo:
     ).verdict
 
 
-def plain_values(seed: int, n: int = 20) -> list[float | None]:
+def plain_values(seed: int, n: int = 20) -> list[float]:
     return [-0.3 - 0.05 * ((seed * 7 + i) % 9) for i in range(n)]
 
 
@@ -245,10 +249,7 @@ def test_different_samples_within_noise_are_consistent() -> None:
     # independent samples: means differ by more than the tolerance, not beyond noise
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2, 3, 4)]
     offsets = {1: 0.2, 2: -0.1, 3: 0.15, 4: -0.15}  # mean +0.025, spread ~0.17
-    rs += [
-        resp("spec", s, [v + offsets[s] for v in plain_values(s)])  # type: ignore[operator]
-        for s in (1, 2, 3, 4)
-    ]
+    rs += [resp("spec", s, [v + offsets[s] for v in plain_values(s)]) for s in (1, 2, 3, 4)]
     v = verdict_of(rs)
     assert v.agreement_test is not None and v.agreement_test.mean is not None
     assert abs(v.agreement_test.mean) > ab.AGREE_TOLERANCE
@@ -258,7 +259,7 @@ def test_different_samples_within_noise_are_consistent() -> None:
 
 def test_full_coverage_but_different_model_is_inconclusive() -> None:
     rs = [resp("plain", s, plain_values(s)) for s in (1, 2, 3)]
-    rs += [resp("spec", s, [v - 1.0 for v in plain_values(s)]) for s in (1, 2, 3)]  # type: ignore[operator]
+    rs += [resp("spec", s, [v - 1.0 for v in plain_values(s)]) for s in (1, 2, 3)]
     v = verdict_of(rs)
     assert v.kind is ab.ABVerdict.INCONCLUSIVE
     assert any("beyond sampling error" in r for r in v.reasons)
