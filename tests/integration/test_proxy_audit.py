@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specaudit import audit
-from specaudit.audit.sections.proxy import DemoRow, problems, section
+from specaudit.audit.sections.proxy import DemoRow, section
 
 
 @pytest.mark.gemma
@@ -24,15 +24,3 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
         assert plain.backend == "spec" and (plain.draft_n or 0) > 0 and plain.tokens > 0
     assert "every logprobs token is real" in sec.markdown
     assert "| gemma | logprobs | proxy | plain |" in sec.markdown
-
-
-def test_problems_name_what_went_wrong() -> None:
-    ok = DemoRow("m", "logprobs", "proxy", "plain", 200, 5, 5, 0, -0.5, None, None)
-    assert problems([ok]) == []
-    bad = DemoRow("m", "logprobs", "proxy", "spec", 200, 5, 1, 4, -0.1, 4, 3)
-    assert problems([bad]) == [
-        "m logprobs request: served by spec, not plain",
-        "m logprobs request: 1/5 real values",
-    ]
-    slow = DemoRow("m", "plain", "proxy", "spec", 200, 5, None, None, None, 0, 0)
-    assert problems([slow]) == ["m plain request: draft_n 0, the server did not speculate"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -235,8 +236,12 @@ def test_plain_backend_that_turns_speculative(urls: tuple[str, str]) -> None:
         tokens, nulls = assert_nothing_fake("chat", [r.json()], False)
         assert nulls == n_ph and tokens == 8
         stream_body = request_body("chat", stream=True, logprobs=True, n=8, seed=2)
-        px.check_backends()  # what the wake-up does in the background, done now
-        assert px.stats().backends["plain"]["state"] == State.UNUSABLE.value
+        # the caught placeholder woke the role check by itself (check_interval is an hour):
+        # wait for it, bounded
+        deadline = time.monotonic() + 30
+        while px.stats().backends["plain"]["state"] != State.UNUSABLE.value:
+            assert time.monotonic() < deadline, "no /slots re-check after the placeholder"
+            time.sleep(0.05)
         r = c.post(px.url + PATHS["chat"], json=stream_body)
         assert r.status_code == 503
         err = r.json()["error"]

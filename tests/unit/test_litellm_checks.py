@@ -295,13 +295,11 @@ def test_roles_read_at_start_and_periodically_off_the_loop(
 
     async def build_on_a_loop() -> None:
         # as in the proxy, the Router is built on the running loop: the checks of a server
-        # that never answers must not hold it up
-        t0 = time.monotonic()
+        # that never answers must not hold it up (its check ends "down" after 3 s; had the
+        # build or the loop waited for it, the role would no longer be unknown)
         _router([closed, silent])
-        assert time.monotonic() - t0 < 1.5  # the silent server's check takes 3 s
-        t0 = time.monotonic()
+        assert h.roles[silent].state == "unknown"
         await asyncio.sleep(0.05)
-        assert time.monotonic() - t0 < 1.0
         assert h.roles[silent].state == "unknown"  # its check still runs, elsewhere
         assert h.checking and threading.current_thread() is not h._thread
 
@@ -330,11 +328,11 @@ def test_async_filter_waits_for_a_check_without_blocking_the_loop(
 ) -> None:
     h = registered(check_interval=3600, check_timeout=2.0)
     h.roles = {PLAIN: sa.Role(PLAIN, "up", False)}
-    ticks: list[float] = []
+    seen: list[str] = []  # the silent server's state at each turn of the loop
 
     async def ticker() -> None:
         while True:
-            ticks.append(time.monotonic())
+            seen.append(h.roles[silent].state if silent in h.roles else "unread")
             await asyncio.sleep(0.05)
 
     async def go() -> list[dict]:
@@ -347,8 +345,10 @@ def test_async_filter_waits_for_a_check_without_blocking_the_loop(
             t.cancel()
 
     assert asyncio.run(go()) == [_dep(PLAIN)]
-    assert h.roles[silent].state == "down"  # waited for: ~2 s
-    assert len(ticks) >= 10 and max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 1.0
+    assert h.roles[silent].state == "down"  # waited for
+    # the loop kept turning while the filter waited for that check (a blocked loop would
+    # only have run the ticker before the wait began or after the check ended)
+    assert seen.count("unknown") + seen.count("unread") >= 2, seen
 
 
 def test_sync_failure_hook_rechecks_before_the_retry(

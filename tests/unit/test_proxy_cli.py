@@ -35,7 +35,7 @@ def test_help_documents_routing_and_exit_codes(cli: CliFn) -> None:
         (["--listen", "localhost:notaport"], "--listen port"),
         (["--listen", "127.0.0.1:70000"], "--listen port"),
         (["--plain", "localhost:8080"], "plain URL must start with http"),
-        # issue 11 D4: an unclosed IPv6 literal escaped as ValueError (exit 1, "finding")
+        # an unclosed IPv6 literal must be a usage error, not a ValueError (exit 1, "finding")
         (["--plain", "http://[::1"], "plain URL cannot be parsed"),
         (["--spec", "http://[::1"], "spec URL cannot be parsed"),
         (["--spec", "http://user:pw@127.0.0.1:1"], "must not carry credentials"),

@@ -1,11 +1,13 @@
-"""Defects found by hostile probing (issue 11), each reproduced against the in-process proxy.
+"""Hostile input never breaks the proxy, each case against the in-process proxy.
 
-D1: a lone surrogate escape in a token (``"token": "\\ud800"``, valid JSON) must not crash the
-    re-encoding of a response whose placeholders were nulled; anything that still goes wrong
-    ends a stream with an error event instead of tearing the connection.
-D2: a malformed HTTP request gets a clean JSON 400 and one log line without a traceback, and
-    no secret (Authorization, API keys) appears in any log line or traceback.
-D3: SSE event splitting is linear in the bytes received (work is counted, not timed).
+- Lone surrogates: a lone surrogate escape in a token (``"token": "\\ud800"``, valid JSON)
+  must not crash the re-encoding of a response whose placeholders were nulled; anything that
+  still goes wrong ends a stream with an error event instead of tearing the connection.
+- Malformed requests and secrets: a malformed HTTP request gets a clean JSON 400 and one log
+  line without a traceback, and no secret (Authorization, API keys) appears in any log line or
+  traceback.
+- Linear event splitting: SSE event splitting is linear in the bytes received (work is
+  counted, not timed).
 
 The hostile backend is a handler defined here, served by the shared `fakes.serve`.
 """
@@ -137,7 +139,7 @@ def sse_objects(raw: bytes) -> list[object]:
 REQ = {"prompt": "a", "max_tokens": 4, "logprobs": 1}
 
 
-# ------------------------------------------------------------------ D1: lone surrogates
+# ---------------------------------------------------------------------- lone surrogates
 
 
 def test_encode_event_keeps_a_lone_surrogate_escaped() -> None:
@@ -218,7 +220,7 @@ def test_check_body_counts_the_surrogate_placeholder() -> None:
     assert (t.tokens, t.placeholders) == (2, 1)
 
 
-# ------------------------------------------------------------ D2: malformed requests, secrets
+# ---------------------------------------------------------------- malformed requests, secrets
 
 
 def _raw_request(url: str, raw: bytes) -> bytes:
@@ -359,7 +361,7 @@ def test_redaction_is_installed_on_the_loggers_that_write(dead_px: RunningProxy)
         assert redact.REDACT in logging.getLogger(name).filters
 
 
-# ------------------------------------------------------------ D3: linear event splitting
+# ---------------------------------------------------------------- linear event splitting
 
 
 def _feed(splitter: sse.EventSplitter, total: int, chunk: int = 64 * 1024) -> None:

@@ -1,7 +1,6 @@
-"""D12 (issue 11): a client that sends its request slowly is timed out, and such connections
-cannot pile up.
+"""A client that sends its request slowly is timed out, and such connections cannot pile up.
 
-The reproduction: connections that trickle their request body one byte at a time were never
+What this guards against: connections that trickle their request body one byte at a time were never
 closed (0 of 150 after 100 s). Now headers and body must arrive within ``client_timeout`` of
 the request's first byte (of the connection, for its first request); after that the proxy
 answers 408 and closes. At most ``max_incomplete_requests`` connections may be sending a
