@@ -29,6 +29,7 @@ from litellm.types.utils import (
 )
 
 from specaudit.integrations import litellm as sa
+from specaudit.integrations import litellm_wrappers
 from specaudit.llama.server import free_port
 
 
@@ -203,11 +204,11 @@ def test_sync_selection_routes(registered: Callable[..., sa.SpecauditRouting]) -
     # LiteLLM's own exclusions (weighted failover) are kept, ours added
     assert _picks(r, _excluded_deployment_ids=[PLAIN], **LOGPROBS) == {PLAIN2}
     # the sync text path: the request comes from Router.text_completion's wrapper
-    token = sa._SYNC_TEXT.set({"prompt": "x", "logprobs": 2})
+    token = litellm_wrappers.SYNC_TEXT.set({"prompt": "x", "logprobs": 2})
     try:
         assert _picks(r) == {PLAIN, PLAIN2}
     finally:
-        sa._SYNC_TEXT.reset(token)
+        litellm_wrappers.SYNC_TEXT.reset(token)
     # a pinned deployment is left alone
     pinned = r.get_available_deployment(model=SPEC, messages=MSG, request_kwargs=dict(LOGPROBS))
     assert pinned["model_info"]["id"] == SPEC

@@ -50,7 +50,9 @@ read yet awaits that read without blocking its loop; a synchronous call, which i
 waits for anyway, waits for it). The checker stops on `SpecauditRouting.close`, at
 interpreter exit, and by itself once the handler is no longer in ``litellm.callbacks``; the
 next need starts it again. Wrapping happens once, when the first handler is made, and every
-wrapper does nothing while no `SpecauditRouting` is in ``litellm.callbacks``.
+wrapper does nothing while no `SpecauditRouting` is in ``litellm.callbacks``
+(`litellm_wrappers`). The request rule and the response checks are the proxy's own
+(`litellm_checks`, over `specaudit.proxy.routing` and `specaudit.proxy.placeholders`).
 
 LiteLLM drops every logprob from streamed text completions (``/v1/completions`` with
 ``stream: true``), so those streams carry neither real values nor placeholders; they are
@@ -62,9 +64,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextvars
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -84,6 +84,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 from specaudit import speculation
 from specaudit.client import AsyncClient, ClientError
 from specaudit.integrations.litellm_checks import (
+    HIDDEN_KEY,
     check_chunk,
     check_entries,
     check_response,
@@ -92,11 +93,11 @@ from specaudit.integrations.litellm_checks import (
     server_root,
     wants,
 )
+from specaudit.integrations.litellm_wrappers import install, may_block
 
 log = logging.getLogger("specaudit.litellm")
 
 ON_PLAIN_DOWN = ("error", "annotate")
-HIDDEN_KEY = "specaudit_placeholders"
 HEADER = "x-specaudit-placeholders"
 
 
@@ -138,27 +139,6 @@ class Stats:
 # the callback
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-# Set while a synchronous Router.completion / text_completion runs. LiteLLM runs those through
-# its async retry machinery on a private event loop of their own (`run_async_function`), so a
-# running loop alone does not say whether waiting is allowed: inside a sync call it is (the
-# caller waits anyway), on any other loop (the proxy's, an acompletion's) never.
-_SYNC_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "specaudit_sync_call", default=False
-)
-
-
-def _may_block() -> bool:
-    return _SYNC_CALL.get() or not _loop_running()
-
-
 def _model_id(deployment: dict[str, Any]) -> str | None:
     mid = (deployment.get("model_info") or {}).get("id")
     return mid if isinstance(mid, str) and mid else None
@@ -190,7 +170,7 @@ class SpecauditRouting(CustomLogger):
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, concurrent.futures.Future[Role]] = {}
-        _install()
+        install(_active)
         _HANDLERS.add(self)
 
     # --- roles ---------------------------------------------------------------------------
@@ -295,7 +275,7 @@ class SpecauditRouting(CustomLogger):
     def _wait_timeout(self) -> float:
         return 2 * self.check_timeout + 1.0  # /slots and, on old builds, /props
 
-    def _wait(self, futs: list[concurrent.futures.Future[Role]]) -> None:
+    def wait(self, futs: list[concurrent.futures.Future[Role]]) -> None:
         """Block this (non-event-loop) thread until the checks are done."""
         if futs:
             concurrent.futures.wait(futs, timeout=self._wait_timeout())
@@ -307,7 +287,8 @@ class SpecauditRouting(CustomLogger):
 
     def watch(self, deployments: Iterable[Any]) -> list[concurrent.futures.Future[Role]]:
         """Start checking these deployments' servers now, in the background, and every
-        `check_interval` after (what the ``Router`` constructor calls, see `_install`)."""
+        `check_interval` after (what the ``Router`` constructor calls, see
+        `litellm_wrappers.install`)."""
         urls = [u for d in deployments if isinstance(d, dict) and (u := self._url(d))]
         return self._schedule([u for u in urls if self._role(u).state == "unknown"])
 
@@ -340,8 +321,8 @@ class SpecauditRouting(CustomLogger):
         urls = [self._url(d) for d in deployments]
         new = [u for u in urls if u is not None and self._role(u).state == "unknown"]
         futs = self._schedule(new)
-        if _may_block():
-            self._wait(futs)
+        if may_block():
+            self.wait(futs)
         return [self._role(u) if u is not None else None for u in urls]
 
     # --- the routing decision, shared by the async filter and the sync selection ----------
@@ -467,13 +448,13 @@ class SpecauditRouting(CustomLogger):
         so in a synchronous call a dead deployment is re-checked before the next attempt. In
         an async call it does nothing: the async failure hook above re-checks there without
         blocking the loop."""
-        if not _may_block() or not isinstance(kwargs, Mapping):
+        if not may_block() or not isinstance(kwargs, Mapping):
             return
         params = kwargs.get("litellm_params")
         base = params.get("api_base") if isinstance(params, Mapping) else None
         base = base or kwargs.get("api_base")
         if isinstance(base, str) and server_root(base) in self.roles:
-            self._wait(self._schedule([server_root(base)], force=True))
+            self.wait(self._schedule([server_root(base)], force=True))
 
     async def async_post_call_response_headers_hook(
         self,
@@ -537,135 +518,6 @@ _HANDLERS: weakref.WeakSet[SpecauditRouting] = weakref.WeakSet()
 def _close_all() -> None:
     for h in list(_HANDLERS):
         h.close()
-
-
-# the request of a running sync Router.text_completion, for its deployment selection
-_SYNC_TEXT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "specaudit_sync_text", default=None
-)
-
-_INSTALLED = False
-
-
-def _install() -> None:
-    """Wrap, once, the few LiteLLM methods that have no hook (see the module doc)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    from litellm import Router
-    from litellm.litellm_core_utils.streaming_handler import CustomStreamWrapper
-
-    init, select = Router.__init__, Router.get_available_deployment
-    completion, text_completion = Router.completion, Router.text_completion
-    anext_, next_ = CustomStreamWrapper.__anext__, CustomStreamWrapper.__next__
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        h = _active()
-        if h is not None:  # start: every deployment's /slots, now, in the background
-            h.watch(getattr(self, "model_list", None) or [])
-
-    @functools.wraps(select)
-    def get_available_deployment(
-        self: Any,
-        model: str,
-        messages: list | None = None,
-        input: Any = None,
-        specific_deployment: bool | None = False,
-        request_kwargs: dict | None = None,
-    ) -> Any:
-        h = _active()
-        if h is not None and not specific_deployment and input is None:
-            request = _SYNC_TEXT.get()
-            if request is None:
-                request = dict(request_kwargs or {})
-                if messages is not None:
-                    request.setdefault("messages", messages)
-            excluded = h.excluded_sync(self, model, messages, request_kwargs, request)
-            if excluded:
-                request_kwargs = request_kwargs if request_kwargs is not None else {}
-                before = list(request_kwargs.get("_excluded_deployment_ids") or [])
-                request_kwargs["_excluded_deployment_ids"] = before + excluded
-        return select(self, model, messages, input, specific_deployment, request_kwargs)
-
-    def sync_call(router: Any, call: Any, request: dict[str, Any], text: bool) -> Any:
-        h = _active()
-        if h is None:
-            return call()
-        # a role not read yet (a Router built before the handler was registered, or its
-        # start-up check still running) is read first: this call waits anyway
-        h._wait(h.watch(getattr(router, "model_list", None) or []))
-        sync = _SYNC_CALL.set(True)
-        # LiteLLM hands the sync text selection the messages it made of the prompt, not the
-        # request: the selection reads the request from here
-        req = _SYNC_TEXT.set(request) if text else None
-        try:
-            response = call()
-        finally:
-            if req is not None:
-                _SYNC_TEXT.reset(req)
-            _SYNC_CALL.reset(sync)
-        h.check_result(request, response)
-        return response
-
-    @functools.wraps(completion)
-    def sync_completion(self: Any, model: str, messages: list, **kwargs: Any) -> Any:
-        return sync_call(
-            self,
-            lambda: completion(self, model, messages, **kwargs),
-            {**kwargs, "messages": messages},
-            text=False,
-        )
-
-    @functools.wraps(text_completion)
-    def sync_text_completion(self: Any, model: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
-        return sync_call(
-            self,
-            lambda: text_completion(self, model, prompt, *args, **kwargs),
-            {**kwargs, "prompt": prompt},
-            text=True,
-        )
-
-    async def __anext__(self: Any) -> Any:
-        return _check_streamed(self, await anext_(self))
-
-    def __next__(self: Any) -> Any:
-        return _check_streamed(self, next_(self))
-
-    Router.__init__ = __init__  # type: ignore[method-assign]
-    Router.get_available_deployment = get_available_deployment  # type: ignore[method-assign]
-    Router.completion = sync_completion  # type: ignore[method-assign]
-    Router.text_completion = sync_text_completion  # type: ignore[method-assign]
-    CustomStreamWrapper.__anext__ = __anext__  # type: ignore[method-assign]
-    CustomStreamWrapper.__next__ = __next__  # type: ignore[method-assign]
-    _INSTALLED = True
-
-
-def _check_streamed(stream: Any, chunk: Any) -> Any:
-    """Check one chunk of a logprobs stream (sync or async) as the caller receives it."""
-    handler = _active()
-    if handler is None:
-        return chunk
-    state = getattr(stream, "_specaudit", None)
-    if state is None:
-        details = getattr(stream.logging_obj, "model_call_details", None) or {}
-        request = {**(details.get("optional_params") or {}), **details}
-        # LiteLLM drops every logprob from text-completion streams before this point:
-        # nothing reaches the caller to check (or to mistake for real)
-        text = "text_completion" in str(getattr(stream.logging_obj, "call_type", ""))
-        n = 0 if text else requested(request)
-        state = stream._specaudit = {"n": n, "tokens": 0, "ph": 0}
-    if state["n"]:
-        tokens, ph = check_chunk(chunk, state["n"])
-        state["tokens"] += tokens
-        state["ph"] += ph
-        handler.stats.tokens_checked += tokens
-        handler.stats.placeholders += ph
-        hidden = hidden_params(chunk)
-        if hidden is not None:
-            hidden[HIDDEN_KEY] = state["ph"]
-    return chunk
 
 
 def _from_env() -> SpecauditRouting:

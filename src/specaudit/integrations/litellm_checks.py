@@ -17,6 +17,8 @@ from specaudit.proxy.placeholders import check_choice_logprobs, get, put
 from specaudit.proxy.placeholders import check_entries as _walk_entries
 from specaudit.proxy.routing import Kind, requested_candidates, wants_logprobs
 
+HIDDEN_KEY = "specaudit_placeholders"  # where a response's placeholder count goes
+
 
 def server_root(api_base: str) -> str:
     """llama-server's root from an OpenAI ``api_base`` (drops a trailing ``/v1``)."""
