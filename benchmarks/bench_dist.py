@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from scipy import stats as st
@@ -35,7 +36,7 @@ PARALLEL = 4
 CONCURRENCY = 2 * PARALLEL
 
 
-async def raw_client(url: str, body: dict, seeds: range) -> float:  # type: ignore[type-arg]
+async def raw_client(url: str, body: dict[str, Any], seeds: range) -> float:
     """The simplest fast client: one httpx pool, a semaphore, gather. Returns samples/s."""
     sem = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=CONCURRENCY)) as c:

@@ -30,7 +30,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="a fixed seed (default: random)")
     args = ap.parse_args()
     counts: Counter[str] = Counter()
-    props.event = lambda what: counts.update([what])  # count instead of hypothesis stats
+
+    def count(value: str, payload: object = "") -> None:
+        """Stands in for hypothesis's ``event``: count instead of hypothesis stats."""
+        counts.update([value])
+
+    props.event = count
     run = settings(
         max_examples=args.examples,
         derandomize=False,

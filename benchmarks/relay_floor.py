@@ -44,6 +44,8 @@ class Downstream(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         try:
             up, _ = await loop.create_connection(
+                # a stream transport, so it writes; uvloop's is not an asyncio.Transport subclass,
+                # which rules out narrowing with isinstance
                 lambda: Upstream(self.transport),  # type: ignore[arg-type]
                 self.host,
                 self.port,

@@ -20,6 +20,7 @@ from specaudit.cli import common, dist_cmd
 from specaudit.distribution import runner
 from specaudit.llama import presets
 from specaudit.llama.server import LlamaServer
+from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
 B = 11434
@@ -280,13 +281,17 @@ def test_spawn_server_path_and_legacy_keywords(
 
 
 def test_rejected_and_the_paths_table() -> None:
-    e = SimpleNamespace(
-        engine="x", path="greedy", verdict=SimpleNamespace(value="PRESERVED"), n_samples=10,
-        drafted=7, accepted=3,
+    e = distribution.EngineResult(
+        engine="x", kind="server-spec", verdict=Verdict.PRESERVED, alpha=0.01, tolerance=0.15,
+        n_samples=10, first_seed=1, last_seed=10, drafted=7, accepted=3, tests=[], contexts=[],
+        headline=[], impossible=0, reason="", seconds=1.0, path="greedy",
     )  # fmt: skip
-    assert distribution.rejected(e) == 4  # type: ignore[arg-type]
-    res = SimpleNamespace(engines=[e], not_covered=[("mtp", "needs MTP heads")])
-    md = distribution.paths_markdown(res)  # type: ignore[arg-type]
+    assert distribution.rejected(e) == 4
+    wl = distribution.make_workload(fixtures.default_spec())
+    res = distribution.DistResult(
+        "x", Path("."), {}, wl, 0.01, 0.15, False, [e], not_covered=[("mtp", "needs MTP heads")]
+    )
+    md = distribution.paths_markdown(res)
     assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 |" in md
     assert "- `mtp`: needs MTP heads" in md
 

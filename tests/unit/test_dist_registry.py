@@ -96,7 +96,7 @@ def test_a_request_is_frozen_and_carries_the_engines_options(tmp_path: Path) -> 
     assert req.engines == ("server",) and req.option("paths") == ("greedy",)
     assert req.option("generators") is None and req.seed_range == range(1, 6)
     with pytest.raises(AttributeError):
-        req.seeds = 6  # type: ignore[misc]
+        req.seeds = 6  # type: ignore[misc]  # assigning to the frozen request on purpose
     with pytest.raises(TypeError, match="unexpected keyword argument 'pathz'"):
         distribution.make_request(["server"], work_dir=tmp_path, pathz=["greedy"])
 
@@ -120,4 +120,5 @@ def test_run_takes_the_request_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_pat
         runner, "measure", lambda eng, spec, wl, seeds, **k: SimpleNamespace(seeds=seeds)
     )
     (res,) = distribution.run(req).engines
+    assert isinstance(res, SimpleNamespace)  # what the stand-in `measure` returned
     assert res.seeds == range(1, 6)

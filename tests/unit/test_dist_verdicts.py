@@ -345,7 +345,9 @@ def test_the_driver_keeps_forbidden_samples_fixed_and_sequential() -> None:
     assert seq.sequential.evidence[0].seed == 30 and "seed 30" in seq.reason
 
 
-def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors() -> None:
+def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     eng = distribution.ServerEngine("http://127.0.0.1:9", SPEC, WL, concurrency=1)
     assert eng.body(3)["return_tokens"] is True
     answers: list[dict[str, Any]] = [
@@ -358,7 +360,7 @@ def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors() -
     async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
         return answers.pop(0)
 
-    eng._client.post = post  # type: ignore[method-assign]
+    monkeypatch.setattr(eng._client, "post", post)
 
     async def go() -> list[distribution.Sample | str]:
         out: list[distribution.Sample | str] = []

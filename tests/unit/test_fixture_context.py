@@ -127,7 +127,7 @@ def test_spec_validation() -> None:
         fx.FixtureSpec("x", SPEC.letters, t8, t8, 0, 0.5, kind="context",
                        target_context=t8, draft_context=t8)  # fmt: skip
     with pytest.raises(ValueError, match="kind must be one of"):
-        fx.FixtureSpec("x", ("a", "b"), t, t, 0, 0.5, prompt="a", kind="bigram")  # type: ignore[arg-type]
+        fx.FixtureSpec("x", ("a", "b"), t, t, 0, 0.5, prompt="a", kind="bigram")  # type: ignore[arg-type]  # an unknown kind on purpose
     with pytest.raises(ValueError, match="depend on the whole context"):
         SPEC.logits("a")
 
@@ -141,6 +141,12 @@ def _field(reader: gguf.GGUFReader, key: str) -> object:
     f = reader.get_field(key)
     assert f is not None, key
     return f.contents()
+
+
+def _float_field(reader: gguf.GGUFReader, key: str) -> float:
+    value = _field(reader, key)
+    assert isinstance(value, float), (key, value)
+    return value
 
 
 def test_gguf_carries_the_context_model(built: fx.FixtureSet) -> None:
@@ -205,8 +211,8 @@ def _ggml_like_forward(
 def test_an_independent_float32_forward_pass_agrees(built: fx.FixtureSet) -> None:
     r = gguf.GGUFReader(built.target)
     t = {x.name: np.asarray(x.data, dtype=np.float32) for x in r.tensors}
-    eps = float(_field(r, "llama.attention.layer_norm_rms_epsilon"))  # type: ignore[arg-type]
-    base = float(_field(r, "llama.rope.freq_base"))  # type: ignore[arg-type]
+    eps = _float_field(r, "llama.attention.layer_norm_rms_epsilon")
+    base = _float_field(r, "llama.rope.freq_base")
     for text in ("b", "bcdbc", "bcdbcfdg", "hhhhhhha", "abcdefgh" * 6 + "b"):
         ids = SPEC.tokenize(text)
         got = _ggml_like_forward(t, eps, base, ids)

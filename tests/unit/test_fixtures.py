@@ -39,9 +39,9 @@ def _nonzero(d: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in d.items() if v > 0.0}
 
 
-def _spec4(row: list[float], **kw: object) -> fx.FixtureSpec:
+def _spec4(row: list[float]) -> fx.FixtureSpec:
     """A 4-letter fixture whose every row is ``row`` (hand-checkable sampler cases)."""
-    table = [row] * 4
+    table = (tuple(row),) * 4
     return fx.FixtureSpec(
         name="t4",
         letters=("a", "b", "c", "d"),
@@ -50,7 +50,6 @@ def _spec4(row: list[float], **kw: object) -> fx.FixtureSpec:
         draft_seed=0,
         draft_noise_scale=0.0,
         prompt="a",
-        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -133,8 +132,15 @@ def _field(reader: gguf.GGUFReader, key: str) -> object:
     return f.contents()
 
 
+def _float_field(reader: gguf.GGUFReader, key: str) -> float:
+    value = _field(reader, key)
+    assert isinstance(value, float), (key, value)
+    return value
+
+
 def test_gguf_readable_with_expected_kv_and_tensors(built: fx.FixtureSet) -> None:
     spec = built.spec
+    which: fx.Which
     for which, path in (("target", built.target), ("draft", built.draft)):
         r = gguf.GGUFReader(path)
         assert _field(r, "general.architecture") == "llama"
@@ -190,7 +196,7 @@ def test_independent_forward_pass_matches_closed_form_logits(built: fx.FixtureSe
     """Run the llama graph in numpy from the GGUF tensors (float32, like ggml's CPU path)."""
     r = gguf.GGUFReader(built.target)
     t = {x.name: np.asarray(x.data, dtype=np.float32) for x in r.tensors}
-    eps = np.float32(_field(r, "llama.attention.layer_norm_rms_epsilon"))  # type: ignore[arg-type]
+    eps = np.float32(_float_field(r, "llama.attention.layer_norm_rms_epsilon"))
 
     def rms(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         mean = np.float32(np.sum(x.astype(np.float64) ** 2) / x.size)
@@ -282,11 +288,12 @@ def test_eos_is_not_a_letter_and_prompt_tokenizes_per_letter() -> None:
 
 def test_raw_distribution_is_full_softmax_with_zero_specials() -> None:
     spec = fx.default_spec()
+    which: fx.Which
     for which in ("target", "draft"):
-        d = fx.raw_distribution(spec, "bcdbc", which)  # type: ignore[arg-type]
+        d = fx.raw_distribution(spec, "bcdbc", which)
         assert list(d) == list(spec.tokens)
         assert d["<s>"] == d["</s>"] == d["<unk>"] == 0.0
-        row = np.array(spec.table(which)[2])  # type: ignore[arg-type]
+        row = np.array(spec.table(which)[2])
         expected = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
         assert [d[x] for x in spec.letters] == pytest.approx(list(expected), abs=1e-15)
     # no sampler knobs: raw equals the chain with everything off
@@ -378,10 +385,10 @@ def test_llama_cpp_defaults() -> None:
 
 def test_ties() -> None:
     tie = [1.0, 1.0, 0.0, -1.0]
-    off = dict(top_p=1.0, min_p=0.0, temperature=1.0)
+    off = {"top_p": 1.0, "min_p": 0.0, "temperature": 1.0}
     with pytest.raises(fx.AmbiguousSamplingError):  # which of a/b survives is unspecified
-        _dist4(fx.SamplerSettings(top_k=1, **off), tie)  # type: ignore[arg-type]
-    d = _dist4(fx.SamplerSettings(top_k=2, **off), tie)  # type: ignore[arg-type]
+        _dist4(fx.SamplerSettings(top_k=1, **off), tie)
+    d = _dist4(fx.SamplerSettings(top_k=2, **off), tie)
     assert d == pytest.approx([0.5, 0.5, 0, 0])
     # greedy scanning the unsorted (id-ordered) array keeps the first maximum: a
     greedy = fx.SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=0.0)
@@ -429,24 +436,24 @@ def test_sequence_and_conditional_distributions() -> None:
 def test_spec_validation() -> None:
     base = fx.default_spec()
     with pytest.raises(ValueError, match="letters must be distinct"):
-        fx.FixtureSpec("x", ("a", "a"), [[0, 1], [1, 0]], [[0, 1], [1, 0]], 0, 0.5, prompt="a")
+        fx.FixtureSpec("x", ("a", "a"), ((0, 1), (1, 0)), ((0, 1), (1, 0)), 0, 0.5, prompt="a")
     with pytest.raises(ValueError, match=r"target table must be 2x2"):
-        fx.FixtureSpec("x", ("a", "b"), [[0, 1]], [[0, 1], [1, 0]], 0, 0.5, prompt="a")
+        fx.FixtureSpec("x", ("a", "b"), ((0, 1),), ((0, 1), (1, 0)), 0, 0.5, prompt="a")
     with pytest.raises(ValueError, match="prompt must be a non-empty string of fixture letters"):
-        fx.FixtureSpec("x", ("a", "b"), [[0, 1], [1, 0]], [[0, 1], [1, 0]], 0, 0.5, prompt="ax")
+        fx.FixtureSpec("x", ("a", "b"), ((0, 1), (1, 0)), ((0, 1), (1, 0)), 0, 0.5, prompt="ax")
     with pytest.raises(ValueError, match="special_logit must sit at least 1000 below"):
         fx.FixtureSpec(
             "x",
             ("a", "b"),
-            [[0, 1], [1, 0]],
-            [[0, 1], [1, 0]],
+            ((0, 1), (1, 0)),
+            ((0, 1), (1, 0)),
             0,
             0.5,
             prompt="a",
             special_logit=-5.0,
         )
     # values are canonicalised to float32
-    s = fx.FixtureSpec("x", ("a", "b"), [[0.1, 1], [1, 0]], [[0, 1], [1, 0]], 0, 0.5, prompt="a")
+    s = fx.FixtureSpec("x", ("a", "b"), ((0.1, 1), (1, 0)), ((0, 1), (1, 0)), 0, 0.5, prompt="a")
     assert s.target[0][0] == float(np.float32(0.1))
     assert base == fx.default_spec()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specaudit import fleet
-from specaudit.check import CheckError
+from specaudit.check import CheckError, CheckResult
 
 GOOD = """\
 model_list:
@@ -72,7 +72,11 @@ def test_unset_key_is_that_deployments_no_decision(
     deps = fleet.read_litellm_config(tmp_path / "c.yaml")
     assert deps[0].url is None and deps[0].error and "FLEET_KEY, which is unset" in deps[0].error
     assert deps[1].url == "http://127.0.0.1:8080" and deps[2].skip_reason
-    row = fleet._one(deps[0], {}, lambda *a, **k: None)  # type: ignore[arg-type]
+
+    def never(*a: object, **k: object) -> CheckResult:
+        raise AssertionError("a deployment without a URL is not checked")
+
+    row = fleet._one(deps[0], {}, never)
     assert row.status == "no decision" and row.exit_code == 2 and "unset" in row.reason
 
 

@@ -286,8 +286,10 @@ def test_a_tree_changed_during_the_build_is_not_cached(
 ) -> None:
     fake = build._run_logged
 
-    def editing(cmd: list[str], cwd: Path, log: Path, progress: object, what: str) -> None:
-        fake(cmd, cwd, log, progress, what)  # type: ignore[arg-type]
+    def editing(
+        cmd: list[str], cwd: Path, log: Path, progress: build.ProgressFn, what: str
+    ) -> None:
+        fake(cmd, cwd, log, progress, what)
         if "--build" in cmd:
             (cwd / "src/a.c").write_bytes(b"edited mid-build\n")
 
