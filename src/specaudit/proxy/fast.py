@@ -113,7 +113,7 @@ class Front(asyncio.Protocol):
     # one request --------------------------------------------------------------------------
 
     def _begin(self, got_bytes: bool) -> None:
-        """A request may be starting: it has the client timeout from now (`_ClientGuard`)."""
+        """A request may be starting: it has the client timeout from now (`shared.ClientGuard`)."""
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None

@@ -201,7 +201,7 @@ class AiohttpPath:
         return await self._serve(request, p, o, failed)
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """The whole body, by the request's deadline (`_ClientGuard`) and within the limit."""
+        """The whole body, by the request's deadline (`shared.ClientGuard`) and within the limit."""
         limit = self.config.max_body_bytes
         conn = conn_of(request)
         try:
