@@ -6,6 +6,8 @@ backends and says why).
 
 from __future__ import annotations
 
+from typing import Any
+
 PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -34,8 +36,11 @@ def request_body(
     return b
 
 
-def sse_objects(raw: bytes) -> list[dict[str, object]]:
-    """Every JSON event of an SSE body (comments and [DONE] left out); fails on torn events."""
+def sse_objects(raw: bytes) -> list[dict[str, Any]]:
+    """Every JSON event of an SSE body (comments and [DONE] left out); fails on torn events.
+
+    Decoded JSON is typed ``Any`` below the top level: tests index into the shape they expect,
+    and a different shape fails the test right there."""
     from specaudit.proxy import sse
 
     evs, rest = sse.split_events(raw)
