@@ -312,7 +312,9 @@ LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "Fal
 
 
 @contextmanager
-def litellm_process(tmp: Path, name: str, groups: dict[str, list[str]], callback: bool):
+def litellm_process(
+    tmp: Path, name: str, groups: dict[str, list[str]], callback: bool
+) -> Iterator[tuple[str, int]]:
     """``litellm --config`` (one worker) in front of the servers; yields (url, pid)."""
     lines = ["model_list:"]
     for group, urls in groups.items():
@@ -446,7 +448,11 @@ def callback_cost(plain: str, spec: str, n: int = 2000) -> str:
         for u in (plain, spec)
     ]
     router = Router(model_list=deps)
-    req = {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2}
+    req: dict[str, Any] = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
 
     async def go() -> tuple[float, float]:
         resp = await router.acompletion(model="fx", max_tokens=MAX_TOKENS, **req)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,14 +124,14 @@ def serve_starlette(port: int, target: str, std: bool) -> None:
             )
             r = await hx.send(req, stream=True)
 
-            async def relay() -> object:
+            async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in r.aiter_raw():
                         yield chunk
                 finally:
                     await r.aclose()
 
-            return StreamingResponse(relay(), media_type="text/event-stream")  # type: ignore
+            return StreamingResponse(relay(), media_type="text/event-stream")
         r2 = await hx.post(target + request.url.path, content=data, headers=headers)
         return Response(r2.content, status_code=r2.status_code, media_type="application/json")
 
@@ -172,6 +172,7 @@ def stack_process(stack: str, target: str) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
+                assert proc.stderr is not None  # stderr=PIPE
                 raise RuntimeError(f"{stack} exited: {proc.stderr.read().decode()[-300:]}")
             try:
                 httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 1}, timeout=2)

@@ -143,8 +143,8 @@ def test_litellm_proxy_process(
                 assert r.status_code == 200 and _base(r) in specs
             entries, tokens = _stream(c)
             assert tokens == len(entries) == 6 and all(_real(e) for e in entries)
-            text = {"model": "fx", "prompt": "bcdbc", "max_tokens": 6, "logprobs": K}
-            r = c.post("/v1/completions", json=text)
+            body = {"model": "fx", "prompt": "bcdbc", "max_tokens": 6, "logprobs": K}
+            r = c.post("/v1/completions", json=body)
             assert r.status_code == 200 and _base(r) in plains, r.text
             assert r.headers["x-specaudit-placeholders"] == "0"
             content = r.json()["choices"][0]["logprobs"]["content"]

@@ -30,6 +30,7 @@ from specaudit.proxy import (
     H_BACKEND,
     H_FALLBACK,
     H_PLACEHOLDERS,
+    OnPlainDown,
     ProxyConfig,
     serve_in_thread,
 )
@@ -89,7 +90,7 @@ def test_plain_down_at_start_error_policy(spec_url: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_plain_down_at_start_annotate_policy(spec_url: str, kind: str) -> None:
-    cfg = ProxyConfig(dead_url(), spec_url, port=0, on_plain_down="annotate")
+    cfg = ProxyConfig(dead_url(), spec_url, port=0, on_plain_down=OnPlainDown.ANNOTATE)
     with serve_in_thread(cfg) as px, httpx.Client(timeout=60) as c:
         r = c.post(px.url + PATHS[kind], json=request_body(kind, stream=False, logprobs=True))
         assert r.status_code == 200

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import litellm
 import pytest
@@ -64,7 +65,7 @@ def test_check_entries_nulls_placeholders_only() -> None:
 
 
 def test_check_response_dicts_and_legacy() -> None:
-    body = {
+    body: dict[str, Any] = {
         "choices": [
             {"logprobs": {"content": [{"logprob": 0.0, "top_logprobs": []}]}},
             {
@@ -86,6 +87,7 @@ def test_check_chunk_adds_the_missing_entry() -> None:
     chunk = ModelResponseStream(choices=[StreamingChoices(delta=Delta(content="c"))])
     assert sa.check_chunk(chunk, 3) == (1, 1)
     lp = chunk.choices[0].logprobs
+    assert lp is not None and lp.content is not None
     assert lp.content[0].token == "c" and lp.content[0].logprob is None
     assert lp.content[0].top_logprobs == []
     assert '"logprob":null' in chunk.model_dump_json().replace(" ", "")
@@ -137,8 +139,8 @@ def registered() -> Iterator[Callable[..., sa.SpecauditRouting]]:
     made: list[sa.SpecauditRouting] = []
     saved = list(litellm.callbacks)
 
-    def make(**kw: object) -> sa.SpecauditRouting:
-        h = sa.SpecauditRouting(**kw)  # type: ignore[arg-type]
+    def make(**kw: Any) -> sa.SpecauditRouting:
+        h = sa.SpecauditRouting(**kw)
         litellm.callbacks = [h]
         made.append(h)
         return h
@@ -156,7 +158,7 @@ def test_choose() -> None:
     h = sa.SpecauditRouting()
     h.roles = _roles()
     deps = [_dep(u) for u in (PLAIN, SPEC, DEAD)]
-    roles = [h.roles[u] for u in (PLAIN, SPEC, DEAD)]
+    roles: list[sa.Role | None] = [h.roles[u] for u in (PLAIN, SPEC, DEAD)]
     assert h.choose("g", deps, roles, {"messages": MSG, **LOGPROBS}) == [deps[0]]
     assert h.choose("g", deps, roles, {"messages": MSG}) == [deps[1]]  # speculating preferred
     with pytest.raises(ServiceUnavailableError) as e:
@@ -252,17 +254,24 @@ def _response(tops: list[int]) -> ModelResponse:
     return resp
 
 
+def _content(resp: ModelResponse) -> list[ChatCompletionTokenLogprob]:
+    """The first choice's logprob entries (which `_response` always sets)."""
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.content is not None
+    return lp.content
+
+
 def test_check_result() -> None:
     h = sa.SpecauditRouting()
     resp = _response([3, 0, 0])
     h.check_result({"messages": MSG, **LOGPROBS}, resp)
-    assert [e.logprob for e in resp.choices[0].logprobs.content] == [0.0, None, None]
+    assert [e.logprob for e in _content(resp)] == [0.0, None, None]
     assert resp._hidden_params[sa.HIDDEN_KEY] == 2
     assert (h.stats.responses_checked, h.stats.placeholders) == (1, 2)
     assert h.stats.served_by == {PLAIN: 1}
     other = _response([0])
     h.check_result({"messages": MSG}, other)  # no logprobs asked: nothing to check
-    assert other.choices[0].logprobs.content[0].logprob == 0.0 and h.stats.responses_checked == 1
+    assert _content(other)[0].logprob == 0.0 and h.stats.responses_checked == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,8 +114,11 @@ def test_bool_is_not_an_integer() -> None:
 # ---------------------------------------------------------------------------- placeholders
 
 
-def load(name: str) -> object:
-    return json.loads((DATA / name).read_text())
+def load(name: str) -> dict[str, Any]:
+    """A recorded response body (always a JSON object)."""
+    body = json.loads((DATA / name).read_text())
+    assert isinstance(body, dict), name
+    return body
 
 
 def events(name: str) -> list[bytes]:
@@ -137,7 +141,7 @@ def test_recorded_spec_body_placeholders_become_null(name: str, kind: Kind) -> N
     t = check_body(kind, body, requested=2)
     assert t.tokens == 6
     assert t.placeholders == 5  # every token after the first came from the speculative loop
-    recs = logprobs.from_response(kind.value, body, 2)  # type: ignore[arg-type]
+    recs = logprobs.from_response(kind.value, body, 2)
     assert [r.reported_logprob for r in recs][1:] == [None] * 5
     assert recs[0].klass is logprobs.TokenClass.REAL
     # nothing a client could average is left on the rewritten tokens
@@ -164,7 +168,7 @@ def test_recorded_plain_body_is_left_alone(name: str, kind: Kind) -> None:
 def test_post_sampling_placeholder_prob_becomes_null() -> None:
     body = load("fixture-spec-completion-n_probs2-post.json")
     check_body(Kind.COMPLETION, body, requested=2)
-    probs = body["completion_probabilities"]  # type: ignore[index]
+    probs = body["completion_probabilities"]
     assert probs[0]["prob"] > 0
     assert all(e["prob"] is None and "logprob" not in e for e in probs[1:])
 
@@ -192,7 +196,7 @@ def test_recorded_spec_stream_missing_entries_are_added_as_null(
         if t.placeholders:
             rewritten.append(obj)
     assert total == 5
-    recs = logprobs.from_stream(kind.value, rewritten, 2)  # type: ignore[arg-type]
+    recs = logprobs.from_stream(kind.value, rewritten, 2)
     assert len(recs) == 5
     assert all(r.klass is logprobs.TokenClass.PLACEHOLDER and r.logprob is None for r in recs)
     key = "prob" if post else "logprob"
@@ -236,17 +240,17 @@ def test_nothing_checked_when_no_candidates_requested() -> None:
 
 
 def test_native_stream_event_with_several_token_ids() -> None:
-    ev = {"content": "ab", "tokens": [0, 1], "stop": False}
+    ev: dict[str, Any] = {"content": "ab", "tokens": [0, 1], "stop": False}
     t = check_event(Kind.COMPLETION, ev, 3)
     assert (t.tokens, t.placeholders) == (2, 2)
-    assert [e["id"] for e in ev["completion_probabilities"]] == [0, 1]  # type: ignore[index]
+    assert [e["id"] for e in ev["completion_probabilities"]] == [0, 1]
     final = {"content": "", "tokens": [], "stop": True}
     assert check_event(Kind.COMPLETION, final, 3).tokens == 0
     assert "completion_probabilities" not in final
 
 
 def test_legacy_completions_form() -> None:
-    body = {
+    body: dict[str, Any] = {
         "choices": [
             {
                 "text": "ab",
@@ -348,7 +352,7 @@ def test_config_rejects_nonsense() -> None:
     with pytest.raises(config.ProxyError, match="port 70000 is out of range"):
         config.ProxyConfig("http://a:1", "http://b:2", port=70000)
     with pytest.raises(ValueError, match="'ignore' is not a valid"):
-        config.ProxyConfig("http://a:1", "http://b:2", on_plain_down="ignore")  # type: ignore
+        config.ProxyConfig("http://a:1", "http://b:2", on_plain_down="ignore")  # type: ignore[arg-type]  # on purpose
 
 
 # --------------------------------------------------------------------------------- metrics

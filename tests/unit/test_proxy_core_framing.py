@@ -26,6 +26,7 @@ import json
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from unittest import mock
 
 import aiohttp
@@ -86,7 +87,7 @@ class RawBackend:
 @contextlib.contextmanager
 def proxy_over(plain: RawBackend, **config: float) -> Iterator[RunningProxy]:
     """A proxy whose plain backend (the logprobs route) is `plain`."""
-    cfg = {"read_timeout": PROXY_TIMEOUT, "client_timeout": PROXY_TIMEOUT, **config}
+    cfg: dict[str, Any] = {"read_timeout": PROXY_TIMEOUT, "client_timeout": PROXY_TIMEOUT, **config}
     with (
         fakes.serve_tcp(plain) as p,
         fakes.serve(fakes.Fake("ok", speculative=True)) as spec,
@@ -211,7 +212,7 @@ def test_events_before_broken_framing_are_forwarded_then_the_error() -> None:
 
 
 def test_a_body_with_broken_framing_is_a_502_not_a_hang() -> None:
-    bad = [
+    bad: Script = [
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
         b"\r\n" + chunk(b'{"choices":'),
         0.05,

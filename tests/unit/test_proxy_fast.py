@@ -311,14 +311,16 @@ def raw_request(body: bytes = BODY, extra: bytes = b"") -> bytes:
 def read_responses(sock: socket.socket, n: int) -> list[tuple[int, bytes]]:
     """`n` Content-Length responses read off a socket: (status, body)."""
     buf = b""
-    out = []
+    out: list[tuple[int, bytes]] = []
     while len(out) < n:
         while b"\r\n\r\n" not in buf:
             chunk = sock.recv(65536)
             assert chunk, f"closed after {len(out)} responses: {buf!r}"
             buf += chunk
         head, _, buf = buf.partition(b"\r\n\r\n")
-        length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])  # type: ignore[index]
+        m = re.search(rb"(?i)content-length: (\d+)", head)
+        assert m is not None, head
+        length = int(m[1])
         while len(buf) < length:
             buf += sock.recv(65536)
         out.append((int(head.split()[1]), buf[:length]))

@@ -24,6 +24,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ import fakes
 from specaudit.llama import free_port
 from specaudit.proxy import H_PLACEHOLDERS, ProxyConfig, RunningProxy, redact, serve_in_thread, sse
 from specaudit.proxy import shared as shared_mod
-from specaudit.proxy.placeholders import check_body, check_event
+from specaudit.proxy.placeholders import Tally, check_body, check_event
 from specaudit.proxy.routing import Kind
 
 MIB = 1 << 20
@@ -65,7 +66,7 @@ def _ev(obj: object) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _choice(text: str, logprobs: object, finish: str | None = None) -> dict[str, object]:
+def _choice(text: str, logprobs: object, finish: str | None = None) -> dict[str, Any]:
     return {
         "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
         "object": "text_completion",
@@ -119,18 +120,18 @@ class Hostile:
 
 
 @contextlib.contextmanager
-def proxy_for(fake: Hostile, **kw: object) -> Iterator[RunningProxy]:
+def proxy_for(fake: Hostile, **kw: Any) -> Iterator[RunningProxy]:
+    """A proxy over `fake`; `kw` are ProxyConfig options, which ProxyConfig checks."""
     dead = f"http://127.0.0.1:{free_port()}"
     with (
         fakes.serve(fake.handle) as backend,
-        serve_in_thread(
-            ProxyConfig(backend.url, dead, port=0, check_interval=3600, **kw)  # type: ignore[arg-type]
-        ) as p,
+        serve_in_thread(ProxyConfig(backend.url, dead, port=0, check_interval=3600, **kw)) as p,
     ):
         yield p
 
 
-def sse_objects(raw: bytes) -> list[object]:
+def sse_objects(raw: bytes) -> list[Any]:
+    """Every event of an SSE body, parsed: decoded JSON (``[DONE]`` as a string)."""
     evs, rest = sse.split_events(raw)
     assert rest == b""
     return [sse.parse_event(e) for e in evs]
@@ -153,7 +154,7 @@ def test_streamed_placeholder_with_a_lone_surrogate_gets_its_null_entry() -> Non
     ev = _choice("\ud800", None)
     t = check_event(Kind.COMPLETIONS, ev, requested=1)
     assert (t.tokens, t.placeholders) == (1, 1)
-    entry = ev["choices"][0]["logprobs"]["content"][0]  # type: ignore[index]
+    entry = ev["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == "\ud800" and entry["logprob"] is None
     assert sse.parse_event(sse.encode_event(ev)) == ev
 
@@ -177,7 +178,7 @@ def test_streamed_placeholders_with_lone_surrogates_are_nulled_and_the_stream_en
         objs = sse_objects(raw)
         assert objs[-1] == "[DONE]" and not any("error" in o for o in objs if isinstance(o, dict))
         assert raw.startswith(STREAM[0])  # the real token's event is byte-identical
-        entries = [o["choices"][0]["logprobs"]["content"][0] for o in objs[:3]]  # type: ignore
+        entries = [o["choices"][0]["logprobs"]["content"][0] for o in objs[:3]]
         assert entries[0] == REAL
         assert [(e["token"], e["logprob"]) for e in entries[1:]] == [("\ud800", None)] * 2
         assert p.stats().placeholders_caught == {"plain": 2}
@@ -186,11 +187,11 @@ def test_streamed_placeholders_with_lone_surrogates_are_nulled_and_the_stream_en
 def test_a_failing_check_ends_a_stream_with_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def broken(*a: object, **k: object) -> object:
+    def broken(kind: Kind, event: Any, requested: int, post_sampling: bool = False) -> Tally:
         calls.append(1)
         if len(calls) == 2:  # the first (real) event passes, the placeholder one fails
             raise RuntimeError("hostile")
-        return check_event(*a, **k)  # type: ignore[arg-type]
+        return check_event(kind, event, requested, post_sampling)
 
     monkeypatch.setattr(shared_mod, "check_event", broken)
     with proxy_for(Hostile()) as p:
@@ -198,7 +199,7 @@ def test_a_failing_check_ends_a_stream_with_an_error_event(monkeypatch: pytest.M
         objs = sse_objects(r.content)  # complete events, not a torn connection
         assert objs[0] == json.loads(STREAM[0][6:])
         assert len(objs) == 2, objs  # the unchecked placeholder never reaches the client
-        err = objs[1]["error"]  # type: ignore[index]
+        err = objs[1]["error"]
         assert err["code"] == 500 and "withheld" in err["message"]
 
 
@@ -423,7 +424,7 @@ def test_huge_event_through_the_proxy_is_linear_and_still_limited(
         (s,) = made  # the proxy's, before sse_objects below makes its own
         objs = sse_objects(r.content)
         assert len(objs) == 1, objs  # no half event, no [DONE]: one error event
-        err = objs[0]["error"]  # type: ignore[index]
+        err = objs[0]["error"]
         assert err["code"] == 502 and f"over {limit} bytes" in err["message"]
         assert fake.done.wait(10) and fake.sent < 4 * limit  # upstream was dropped
         assert httpx.get(p.url + "/health").status_code == 200  # the proxy still serves

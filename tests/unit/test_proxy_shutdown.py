@@ -30,7 +30,7 @@ import pytest
 from fakes import Fake, serve
 from proxy_helpers import sse_objects
 from specaudit.llama import free_port
-from specaudit.proxy import ProxyConfig, serve_in_thread
+from specaudit.proxy import Proxy, ProxyConfig, serve_in_thread
 
 GRACE = 1.0
 SLACK = 4.0  # start-up of nothing, the event loop's shutdown, a loaded machine
@@ -210,5 +210,5 @@ def test_requests_still_running_after_the_grace_period_end_with_503(stream: bool
     assert stats.requests == 1 and stats.errors.get("shutdown") == 1, stats
 
 
-async def _stop(proxy: object) -> None:
-    await proxy.stop()  # type: ignore[attr-defined]
+async def _stop(proxy: Proxy) -> None:
+    await proxy.stop()

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -97,13 +98,12 @@ class Trickle:
 
 
 @contextlib.contextmanager
-def proxy(**kw: object) -> Iterator[RunningProxy]:
+def proxy(**kw: Any) -> Iterator[RunningProxy]:
+    """A proxy over two fakes; `kw` are ProxyConfig options, which ProxyConfig checks."""
     with (
         fakes.serve(fakes.Fake("ok")) as plain,
         fakes.serve(fakes.Fake("ok", speculative=True)) as spec,
-        serve_in_thread(
-            ProxyConfig(plain.url, spec.url, port=0, check_interval=3600, **kw)  # type: ignore[arg-type]
-        ) as p,
+        serve_in_thread(ProxyConfig(plain.url, spec.url, port=0, check_interval=3600, **kw)) as p,
     ):
         yield p
 

@@ -84,7 +84,8 @@ def pick(draw: st.DrawFn, right: Any, *hostile: Any, weight: int = RIGHT) -> Any
 
 def eol(draw: st.DrawFn) -> bytes:
     """A line end: a bare LF or CR about once in ten heads."""
-    return pick(draw, b"\r\n", b"\n", b"\r", weight=150)  # type: ignore[no-any-return]
+    end: bytes = pick(draw, b"\r\n", b"\n", b"\r", weight=150)
+    return end
 
 
 # requests ---------------------------------------------------------------------------------------
