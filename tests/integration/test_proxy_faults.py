@@ -6,7 +6,7 @@ none hangs (every client call has a deadline) or is lost.
   Gemma is slow enough on CPU that a long stream is still running when it is killed);
 - client disconnects mid-stream (the real Gemma server stops generating);
 - a backend slow past the timeout (a small fake against the real fixture-spec); the fake-only
-  faults are in tests/unit/test_proxy_faults.py.
+  faults are in tests/unit/test_proxy_fake_backend_faults.py.
 """
 
 from __future__ import annotations

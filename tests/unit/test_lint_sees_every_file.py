@@ -30,3 +30,13 @@ def test_ruff_lists_every_python_file_under_src_tests_and_benchmarks() -> None:
     }
     assert on_disk, "no Python files found: the test is looking in the wrong place"
     assert sorted(map(str, on_disk - seen)) == []
+
+
+def test_no_two_test_files_share_a_basename() -> None:
+    """pytest imports test files by basename (rootdir-relative, no packages): two files of the
+    same name under tests/unit and tests/integration stop the whole suite at collection."""
+    names: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert names, "no test files found"
+    assert {n: ps for n, ps in names.items() if len(ps) > 1} == {}
