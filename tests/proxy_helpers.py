@@ -1,4 +1,4 @@
-"""Requests and response checks shared by the proxy tests (tests/integration/test_proxy_*.py).
+"""Requests and response checks shared by the proxy tests (unit and integration).
 
 Importable as ``import proxy_helpers`` from any test, like tests/fakes.py (which has the fake
 backends and says why).
@@ -6,7 +6,15 @@ backends and says why).
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from specaudit.llama import free_port
+
+if TYPE_CHECKING:
+    from specaudit.proxy import RunningProxy
 
 PATHS = {
     "chat": "/v1/chat/completions",
@@ -89,3 +97,28 @@ def assert_nothing_fake(kind: str, objs: list[dict], stream: bool) -> tuple[int,
                 assert value is None, f"placeholder passed as real: {e}"
                 nulls += 1
     return tokens, nulls
+
+
+def dead_url() -> str:
+    """A URL nothing listens on (a backend that is down)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def error_of(r: httpx.Response) -> dict:
+    """The OpenAI-style error object of a proxy's answer, checked for its shape."""
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["code"] == r.status_code and isinstance(err["type"], str)
+    return err
+
+
+def metric(p: RunningProxy, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one family on /metrics."""
+    out = {}
+    for line in httpx.get(p.url + "/metrics").text.splitlines():
+        m = re.fullmatch(rf"specaudit_proxy_{name}(\{{.*\}})? (\S+)", line)
+        if m:
+            out[m[1] or ""] = float(m[2])
+    return out

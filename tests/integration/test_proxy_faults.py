@@ -22,8 +22,16 @@ import httpx
 import pytest
 
 from fakes import Fake, serve
-from proxy_helpers import PATHS, TOP, assert_nothing_fake, request_body, sse_objects
-from specaudit.llama import LlamaServer, free_port, presets
+from proxy_helpers import (
+    PATHS,
+    TOP,
+    assert_nothing_fake,
+    dead_url,
+    error_of,
+    request_body,
+    sse_objects,
+)
+from specaudit.llama import LlamaServer, presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.proxy import (
     H_ANNOTATED,
@@ -37,22 +45,6 @@ from specaudit.proxy import (
 
 Server = Callable[[str], Any]
 KINDS = ["chat", "completions", "completion"]
-
-
-def dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
-
-
-def error_of(r: httpx.Response) -> dict:
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["code"] == r.status_code and isinstance(err["type"], str)
-    return err
-
-
-# ------------------------------------------------------------------------ plain down at start
 
 
 @pytest.fixture(scope="module")

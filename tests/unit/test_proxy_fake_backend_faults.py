@@ -12,22 +12,8 @@ import httpx
 import pytest
 
 from fakes import Fake, not_http, serve, serve_tcp
-from proxy_helpers import request_body, sse_objects
-from specaudit.llama import free_port
+from proxy_helpers import dead_url, error_of, request_body, sse_objects
 from specaudit.proxy import ProxyConfig, serve_in_thread
-
-
-def dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
-
-
-def error_of(r: httpx.Response) -> dict:
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert isinstance(err["message"], str) and err["message"]
-    assert err["code"] == r.status_code and isinstance(err["type"], str)
-    return err
 
 
 def test_client_disconnect_closes_the_upstream_connection() -> None:

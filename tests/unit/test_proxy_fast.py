@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 import fakes
+from proxy_helpers import metric
 from specaudit.proxy import ProxyConfig, RunningProxy, fast, http1, serve_in_thread, shared, wire
 
 PATHS = fast.PATHS
@@ -286,16 +287,6 @@ def proxy_over(spec_handler: fakes.Handler, loop: str = "auto") -> Iterator[Runn
         serve_in_thread(ProxyConfig(plain.url, spec.url, port=0, check_interval=3600), loop) as p,
     ):
         yield p
-
-
-def metric(p: RunningProxy, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one family on /metrics."""
-    out = {}
-    for line in httpx.get(p.url + "/metrics").text.splitlines():
-        m = re.fullmatch(rf"specaudit_proxy_{name}(\{{.*\}})? (\S+)", line)
-        if m:
-            out[m[1] or ""] = float(m[2])
-    return out
 
 
 BODY = json.dumps({"prompt": "a", "max_tokens": 1}).encode()

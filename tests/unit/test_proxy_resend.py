@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,21 +25,12 @@ import pytest
 from aiohttp import web
 
 import fakes
+from proxy_helpers import metric
 from specaudit.proxy import H_BACKEND, H_FALLBACK, ProxyConfig, RunningProxy, routing
 from specaudit.proxy import serve_in_thread as serve_proxy
 
 BODY = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
 TRANSPORTS = ["core", "aiohttp"]
-
-
-def metric(p: RunningProxy, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one family on /metrics."""
-    out = {}
-    for line in httpx.get(p.url + "/metrics").text.splitlines():
-        m = re.fullmatch(rf"specaudit_proxy_{name}(\{{.*\}})? (\S+)", line)
-        if m:
-            out[m[1] or ""] = float(m[2])
-    return out
 
 
 class Backend:
