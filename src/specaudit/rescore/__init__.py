@@ -1,0 +1,8 @@
+"""Re-scored distribution test and logprob fidelity on any model (`specaudit rescore`).
+
+Why: `dist` proves things about fixtures with a closed form; nobody can load a fixture into the
+server they run in production. Here every token an engine samples is re-scored by a
+*reference*: the same model file served without speculation, asked for its processed
+next-token distribution given the exact token-id prefix. `records` holds the per-token value
+every part shares (the sampler fills it, the statistics and the fidelity check read it).
+"""

@@ -1,0 +1,57 @@
+"""The per-token record of a re-scored run: one home for what sampling produced and what the
+reference said about it.
+
+Why a record of its own: the sampler (engines, reference), the statistics (PIT values, tests,
+power) and the fidelity check are written and tested apart; this is the only thing they pass
+between them, so each can be tested on hand-made records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specaudit.errors import SpecauditError
+
+
+class RescoreError(SpecauditError):
+    """A re-scored run cannot be made or cannot decide (one line, exit 2): a reference that
+    speculates, a different model, text that does not round-trip, too few samples..."""
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """The reference's answer for one prefix.
+
+    `probs`: the processed (post-sampling) next-token distribution, token id -> probability,
+    over the whole support of the sampler (it sums to 1 up to rounding; a reference that cannot
+    cover the support is refused before this is built). `logprobs`: the raw (pre-sampling)
+    top-n log-probabilities, when asked for (empty otherwise).
+    """
+
+    probs: Mapping[int, float]
+    logprobs: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenDraw:
+    """One sampled token, re-scored.
+
+    `prefix_key` identifies the exact token-id prefix (prompt ids + tokens generated before
+    this one): equal keys are repeated prefixes (per-position G-tests pool them). `draft_token`
+    is the draft's proposal at this position when the engine reports it (None otherwise);
+    `draft_favourite` the draft model's most likely token for this prefix when known (with a
+    model that is its own draft, the reference's argmax).
+    """
+
+    seed: int
+    prompt: int  # index of the prompt in the run's prompt list
+    position: int  # 0-based index of the generated token
+    prefix_key: str
+    token: int
+    ref: NextToken
+    draft_token: int | None = None
+    draft_favourite: int | None = None
+
+
+__all__ = ["NextToken", "RescoreError", "TokenDraw"]
