@@ -17,13 +17,20 @@ from rich.console import Console
 
 from specaudit import distribution, fixtures, llama
 from specaudit.cli import common, dist_cmd
-from specaudit.distribution import runner
+from specaudit.distribution import coverage, runner
 from specaudit.llama import presets
 from specaudit.llama.server import LlamaServer
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
 B = 11434
+# b11434's n-gram drafters besides ngram-mod, each a path of its own
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+# every --spec-type of b11434 (common/speculative.cpp, common_speculative_type_from_str)
+B11434_SPEC_TYPES = (
+    "none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
+    "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+)  # fmt: skip
 
 
 def _one_error(err: str) -> str:
@@ -37,7 +44,9 @@ def _one_error(err: str) -> str:
 
 def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
-    assert distribution.PATHS == presets.PATHS == ("plain", "greedy", "rejection", "ngram")
+    assert distribution.PATHS == presets.PATHS == (
+        "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES,
+    )  # fmt: skip
     assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
 
@@ -53,6 +62,11 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
     ngram = presets.PRESETS["fixture-context-ngram"]
     assert ngram.spec_type == "ngram-mod" and not ngram.uses_draft
     assert ngram.extra_args == presets.FIXTURE_NGRAM_ARGS
+    for model in ("fixture", "fixture-context"):
+        for t in NGRAM_TYPES:
+            p = presets.PRESETS[presets.fixture_role(model, t)]
+            assert p.spec_type == t and not p.uses_draft and p.variant == "stock"
+            assert p.extra_args == presets.NGRAM_TYPE_ARGS[t]
     with pytest.raises(ValueError, match="path must be one of"):
         presets.fixture_role("fixture", "mtp")
     with pytest.raises(ValueError, match="draft_sampling needs a draft"):
@@ -65,7 +79,7 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
 def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
-    assert "--path [plain|greedy|rejection|ngram]" in out
+    assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
     assert "--fixture-kind [last-token|context]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
@@ -205,9 +219,13 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert [e.path for e in res.engines] == list(distribution.PATHS)
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
+        *(f"server-{t}" for t in NGRAM_TYPES),
     ]  # fmt: skip
     names = [n for n, _ in started]
-    assert names == ["dist-plain", "dist-spec", "dist-spec-probabilistic", "dist-ngram"]
+    assert names == [
+        "dist-plain", "dist-spec", "dist-spec-probabilistic", "dist-ngram",
+        *(f"dist-{t}" for t in NGRAM_TYPES),
+    ]  # fmt: skip
     argv = {n: a for n, a in started}
     assert "--spec-type" not in argv["dist-plain"] and "-md" not in argv["dist-plain"]
     assert "-md" in argv["dist-spec"] and "--spec-draft-sampling" not in argv["dist-spec"]
@@ -216,6 +234,14 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     ng = argv["dist-ngram"]
     assert ng[ng.index("--spec-type") + 1] == "ngram-mod" and "-md" not in ng
     assert ng[ng.index("--spec-ngram-mod-n-match") + 1] == "1"
+    # each n-gram type alone (one --spec-type: its draft counts are its own), with its flags
+    for t in NGRAM_TYPES:
+        a = argv[f"dist-{t}"]
+        assert a[a.index("--spec-type") + 1] == t and "-md" not in a
+        assert a.count("--spec-type") == 1 and "--spec-ngram-mod-n-match" not in a
+        flags = presets.NGRAM_TYPE_ARGS[t]
+        assert a[len(a) - len(flags) :] == list(flags), t
+    assert argv["dist-ngram-map-k4v"][-2:] == ["--spec-ngram-map-k4v-min-hits", "1"]
     assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
     assert "rejection" not in {p for p, _ in res.not_covered}
 
@@ -236,7 +262,7 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
         ("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy
     )
     res = distribution.run(req)
-    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram"]
+    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram", *NGRAM_TYPES]
     assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
 
 
@@ -296,6 +322,41 @@ def test_rejected_and_the_paths_table() -> None:
     assert "- `mtp`: needs MTP heads" in md
 
 
+def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() -> None:
+    """Every --spec-type of b11434 once: covered ones with the verdict and draft counts of the
+    run that exercised their path ("not run" otherwise), the rest "no" with a reason."""
+    names = [t for t, _, _ in coverage.SPEC_TYPES]
+    assert sorted(names) == sorted(B11434_SPEC_TYPES) and len(set(names)) == len(names)
+    covering = [p for _, paths, _ in coverage.SPEC_TYPES for p in paths]
+    assert sorted(covering) == sorted(distribution.PATHS)  # each path covers one type
+    e = distribution.EngineResult(
+        engine="x", kind="server-ngram-cache", verdict=Verdict.PRESERVED, alpha=0.01,
+        tolerance=0.15, n_samples=10, first_seed=1, last_seed=10, drafted=12, accepted=5,
+        tests=[], contexts=[], headline=[], impossible=0, reason="", seconds=1.0,
+        path="ngram-cache",
+    )  # fmt: skip
+    wl = distribution.make_workload(fixtures.default_spec())
+    res = distribution.DistResult("x", Path("."), {}, wl, 0.01, 0.15, False, [e])
+    rows = {(r[0], r[2]): r for r in coverage.coverage_rows(res)}
+    assert len(rows) == len(coverage.coverage_rows(res)) == 12  # draft-simple: two paths
+    assert rows["ngram-cache", "ngram-cache"][1:6] == ("yes", "ngram-cache", "PRESERVED", 12, 5)
+    assert rows["ngram-map-k", "ngram-map-k"][3:6] == ("not run", None, None)
+    assert rows["ngram-mod", "ngram"][1] == "yes"
+    assert rows["draft-simple", "rejection"][1] == "yes"
+    for t in ("draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"):
+        row = rows[t, "-"]
+        assert row[1:4] == ("no", "-", "-") and len(row[6]) > 40, t
+    k4v = rows["ngram-map-k4v", "ngram-map-k4v"][6]
+    assert "--spec-ngram-map-k4v-min-hits 1" in k4v and "sample-and-match" in k4v
+    md = distribution.paths_markdown(res)
+    assert "Every --spec-type of b11434:" in md
+    assert "| ngram-cache | yes | ngram-cache | PRESERVED | 12 | 5 |" in md
+    assert "| draft-mtp | no | - | - | - | - |" in md
+    # no server path ran (a URL): no coverage table
+    e.path = None
+    assert "Every --spec-type" not in distribution.paths_markdown(res)
+
+
 def test_the_terminal_view_has_one_summary_and_the_detail_lines(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -323,3 +384,6 @@ def test_the_terminal_view_has_one_summary_and_the_detail_lines(
     assert "Draft-direction test:" in shown and "Certified TV (largest" in shown
     assert "1200 drafted, 800 accepted, 400 rejected" in shown
     assert shown.count("summary") == 1 and "verification paths" not in shown
+    # the coverage table: every --spec-type, this run's path with its verdict
+    assert "every --spec-type of b11434" in shown
+    assert "draft-dspark" in shown and "ngram-map-k4v" in shown and "not run" in shown

@@ -55,6 +55,16 @@ def test_overrides_and_draft_types(tmp_path: Path) -> None:
     assert presets.PRESETS["fixture-spec"].patches == ()
 
 
+def test_each_ngram_type_has_a_patched_role_with_its_flags(tmp_path: Path) -> None:
+    """`check` and the patch-equality tests run each n-gram type on the patched build."""
+    for t, flags in presets.NGRAM_TYPE_ARGS.items():
+        p = presets.PRESETS[f"fixture-{t}-patched"]
+        assert p.patches == (presets.PATCH,) and presets.path_of(p) == t
+        a = _args(presets.for_preset(p, _bins(tmp_path), tmp_path / "m", None))
+        assert a[a.index("--spec-type") + 1] == t and "-md" not in a
+        assert a[len(a) - len(flags) :] == list(flags)
+
+
 def test_extra_args_are_appended_after_the_policy(tmp_path: Path) -> None:
     srv = presets.server(_bins(tmp_path), tmp_path / "m", kind="fixture",
                          extra_args=["--spec-synth-len", "3"])  # fmt: skip

@@ -26,6 +26,7 @@ from specaudit.cli.common import (
     timeout_option,
     tokens_option,
 )
+from specaudit.distribution import coverage
 from specaudit.outcome import EXIT_TAIL_HELP, Outcome
 from specaudit.validate import MAX_INT32
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 PATHS_HELP = (
     "\b\nVerification paths (--engine server runs one llama-server per path, --path picks):\n"
-    + "".join(f"  {p:<10} {distribution.PATH_HELP[p]}\n" for p in distribution.PATHS)
+    + "".join(f"  {p:<13} {distribution.PATH_HELP[p]}\n" for p in distribution.PATHS)
     + "  Not covered, listed under every result with the reason (docs/dist.md):\n  "
     + ", ".join(name for name, _ in distribution.NOT_COVERED)
     + ".\n\n"
@@ -98,6 +99,9 @@ def render(res: distribution.DistResult) -> None:
             out.print(f"  {line}", highlight=False)
     out.print()
     out.print(_table("summary", distribution.SUMMARY_HEADERS, distribution.summary_rows(res)))
+    if any(e.path for e in res.engines):
+        title = "every --spec-type of b11434: the path that covers it, or why none does"
+        out.print(_table(title, coverage.COVERAGE_HEADERS, coverage.coverage_rows(res)))
     for note in res.notes:
         out.print(note, highlight=False)
     if res.not_covered:

@@ -40,6 +40,7 @@ _SERVER_NAMES = {
     "greedy": "dist-spec",
     "rejection": "dist-spec-probabilistic",
     "ngram": "dist-ngram",
+    **{t: f"dist-{t}" for t in presets.NGRAM_TYPE_ARGS},
 }
 
 
@@ -86,12 +87,14 @@ def spawn_server(
     """A llama-server on the fixture on one verification path (`PATHS`), from its preset
     (`presets.fixture_role`).
 
-    Either `path` ("plain", "greedy", "rejection", "ngram"), or the older spelling: `draft`
+    Either `path` (a `PATHS` value), or the older spelling: `draft`
     (False: "plain") with `draft_sampling` "greedy" (llama.cpp's default, no flag: the draft
     proposes its argmax, verified by sample-and-match, lossless by construction) or
     "probabilistic" (``--spec-draft-sampling probabilistic``: the draft samples and reports
     its distribution q, verified by rejection sampling; only at temperature > 0). "ngram" is
-    ``--spec-type ngram-mod`` without a draft model (`presets.FIXTURE_NGRAM_ARGS`).
+    ``--spec-type ngram-mod`` without a draft model (`presets.FIXTURE_NGRAM_ARGS`);
+    "ngram-simple", "ngram-map-k", "ngram-map-k4v" and "ngram-cache" are those types, with the
+    flags that make each draft on the fixture (`presets.NGRAM_TYPE_ARGS`).
     """
     path = _server_path(draft, draft_sampling, path)
     model = "fixture-context" if fixture.spec.kind == "context" else "fixture"
@@ -228,7 +231,8 @@ SERVER = register(
                 "Verification path(s) of --engine server, repeatable [default: all; rejection "
                 "only at --temperature > 0]: plain (no draft), greedy (draft, "
                 "sample-and-match), rejection (--spec-draft-sampling probabilistic: rejection "
-                "sampling), ngram (ngram-mod, no draft model).",
+                "sampling), ngram (ngram-mod, no draft model), and ngram-simple, ngram-map-k, "
+                "ngram-map-k4v, ngram-cache (those n-gram types, no draft model).",
             ),
         ),
         check=_check_server,
@@ -271,6 +275,9 @@ TRANSFORMERS = register(
         check=_check_transformers,
     )
 )
+
+# engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
+from specaudit.distribution import openvino  # noqa: E402, F401
 
 __all__ = [
     "DRAFT_SAMPLING",

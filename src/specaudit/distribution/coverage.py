@@ -5,8 +5,10 @@ paths"): `--spec-type draft-simple` with a greedy draft (sample-and-match,
 ``common_sampler_sample_and_accept_n``), with ``--spec-draft-sampling probabilistic``
 (rejection sampling, ``common_sampler_sample_and_accept_n_rejection``, temperature > 0), and
 the n-gram drafters (no draft model: sample-and-match on n-gram proposals). `dist --engine
-server` runs one server per path (`PATHS`) next to a plain one; the rest need models the
-fixtures are not (`NOT_COVERED`).
+server` runs one server per path (`PATHS`: each n-gram type its own) next to a plain one; the
+rest need models the fixtures are not (`NOT_COVERED`). `SPEC_TYPES` maps every --spec-type of
+b11434 to the paths that exercise it, so the coverage table (`coverage_rows`) names what no
+run of `dist` can check.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from specaudit.distribution.results import DistError, DistResult, EngineResult
-from specaudit.llama.presets import PATHS
+from specaudit.llama.presets import FIXTURE_NGRAM_ARGS, NGRAM_TYPE_ARGS, PATHS
 
 # path -> (engine label, engine kind)
 PATH_ENGINES: dict[str, tuple[str, str]] = {
@@ -23,6 +25,7 @@ PATH_ENGINES: dict[str, tuple[str, str]] = {
     "greedy": ("llama-server + draft, greedy", "server-spec"),
     "rejection": ("llama-server + draft, rejection", "server-spec-rejection"),
     "ngram": ("llama-server + ngram-mod", "server-ngram"),
+    **{t: (f"llama-server + {t}", f"server-{t}") for t in NGRAM_TYPE_ARGS},
 }
 
 PATH_HELP: dict[str, str] = {
@@ -30,6 +33,10 @@ PATH_HELP: dict[str, str] = {
     "greedy": "draft model, greedy draft verified by sample-and-match",
     "rejection": "draft model, --spec-draft-sampling probabilistic: rejection sampling (T > 0)",
     "ngram": "--spec-type ngram-mod, no draft model: n-gram drafts, sample-and-match",
+    "ngram-simple": "--spec-type ngram-simple (n=1, m=2): n-gram drafts, sample-and-match",
+    "ngram-map-k": "--spec-type ngram-map-k (n=1, m=1): n-gram drafts, sample-and-match",
+    "ngram-map-k4v": "--spec-type ngram-map-k4v (n=1, m=1, 1 hit): n-gram drafts, sample-and-match",
+    "ngram-cache": "--spec-type ngram-cache: n-gram cache drafts, sample-and-match",
 }
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
@@ -53,12 +60,77 @@ NOT_COVERED: tuple[tuple[str, str], ...] = (
         "synthetic",
         "--spec-synth-len is benchmark-only synthetic acceptance: it never verifies a draft",
     ),
-    (
-        "ngram-simple/map-k/map-k4v/cache",
-        "the other n-gram drafters propose differently but verify like ngram-mod "
-        "(sample-and-match); only ngram-mod runs",
-    ),
 )
+
+
+def _ngram(spec_type: str, how: str, path: str | None = None) -> tuple[str, tuple[str, ...], str]:
+    """A `SPEC_TYPES` row of an n-gram type (path: its name but ngram-mod's), with its flags."""
+    args = FIXTURE_NGRAM_ARGS if spec_type == "ngram-mod" else NGRAM_TYPE_ARGS[spec_type]
+    flags = " ".join(args) or "no flags"
+    return spec_type, (path or spec_type,), f"no draft model; {flags}: {how}; sample-and-match"
+
+
+# Every --spec-type of llama.cpp b11434 (common/speculative.cpp, common_speculative_type_from_str),
+# the `dist` paths that exercise it (empty: not covered) and how, or why not (docs/dist.md).
+SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("none", ("plain",), "no speculation: the reference"),
+    (
+        "draft-simple",
+        ("greedy", "rejection"),
+        "the fixture's draft model (-md): greedy drafts verified by sample-and-match; "
+        "--spec-draft-sampling probabilistic drafts by rejection sampling (T > 0)",
+    ),
+    (
+        "draft-mtp",
+        (),
+        "drafts with the target's own MTP (nextn) layers in a second context on the target; "
+        "no fixture has MTP layers, and without them the server refuses to start",
+    ),
+    (
+        "draft-eagle3",
+        (),
+        "needs a draft GGUF of arch eagle3 (exactly three target layer ids, fc over the "
+        "target's hidden states, one layer) on a llama target; no eagle3 fixture draft yet",
+    ),
+    (
+        "draft-dflash",
+        (),
+        "needs a draft GGUF of arch dflash (target layer ids, dflash.block_size, a mask "
+        "token); drafts a block's argmax in one pass, verified by sample-and-match; with the "
+        "fixture's zeroed attention the draft would be constant: no fixture built",
+    ),
+    (
+        "draft-dspark",
+        (),
+        "dflash's draft GGUF plus a Markov head (markov_w1/w2), anchor-first blocks; argmax "
+        "drafts, verified by sample-and-match: no fixture built",
+    ),
+    _ngram("ngram-simple", "the tokens after the last earlier match of the last token"),
+    _ngram("ngram-map-k", "a per-slot key map kept across requests"),
+    _ngram("ngram-map-k4v", "the most frequent of up to four values per key, per-slot map"),
+    _ngram("ngram-mod", "a hash pool of n-grams shared by all slots", "ngram"),
+    _ngram("ngram-cache", "a per-slot 1- to 4-gram cache of the context, kept across requests"),
+)
+
+COVERAGE_HEADERS = ("spec-type", "covered", "path", "verdict", "drafted", "accepted", "why")
+
+
+def coverage_rows(res: DistResult | None = None) -> list[tuple[Any, ...]]:
+    """One row per (--spec-type, path) of b11434 (`SPEC_TYPES`), with the verdict and draft
+    counts of the engine of `res` that ran that path ("not run": covered, but not in `res`;
+    None: "-")."""
+    by_path = {e.path: e for e in (res.engines if res else ()) if e.path}
+    rows: list[tuple[Any, ...]] = []
+    for spec_type, paths, why in SPEC_TYPES:
+        if not paths:
+            rows.append((spec_type, "no", "-", "-", None, None, why))
+        for p in paths:
+            e = by_path.get(p)
+            verdict = e.verdict.value if e else "not run"
+            counts = (e.drafted, e.accepted) if e else (None, None)
+            rows.append((spec_type, "yes", p, verdict, *counts, why))
+    return rows
+
 
 REJECTION_NEEDS_TEMPERATURE = (
     "temperature 0: llama.cpp verifies a probabilistic draft by sample-and-match there; "
@@ -120,18 +192,24 @@ def paths_markdown(res: DistResult) -> str:
     from specaudit.report import md_table
 
     lines = ["Verification paths:", "", md_table(PATH_HEADERS, path_rows(res))]
+    if any(e.path for e in res.engines):
+        rows = coverage_rows(res)
+        lines += ["", "Every --spec-type of b11434:", "", md_table(COVERAGE_HEADERS, rows)]
     if res.not_covered:
         lines += ["", "Not covered:", "", *not_covered_lines(res.not_covered)]
     return "\n".join(lines)
 
 
 __all__ = [
+    "COVERAGE_HEADERS",
     "NOT_COVERED",
     "PATHS",
     "PATH_ENGINES",
     "PATH_HEADERS",
     "PATH_HELP",
+    "SPEC_TYPES",
     "check_paths",
+    "coverage_rows",
     "not_covered",
     "not_covered_lines",
     "path_rows",

@@ -27,8 +27,13 @@ DEFAULT_SPEC_TYPE = "draft-simple"
 DRAFT_SAMPLING = ("greedy", "probabilistic")
 # The verification paths a fixture server can exercise (docs/dist.md, "Verification paths"):
 # no speculation; a greedy draft (sample-and-match); a probabilistic draft (rejection
-# sampling); n-gram drafting from the context (ngram-mod: no draft model, sample-and-match).
-PATHS = ("plain", "greedy", "rejection", "ngram")
+# sampling); n-gram drafting from the context (ngram-mod: no draft model, sample-and-match);
+# and b11434's four other n-gram drafters, one path each (same verifier, other proposers).
+PATHS = (
+    "plain", "greedy", "rejection", "ngram",
+    "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
+)  # fmt: skip
+
 # ngram-mod's defaults look up 24-token n-grams and draft nothing under 48 tokens: on the
 # fixture's 5-letter prompt it would never draft. Single-token lookups make it draft whenever
 # the last token appeared in the prompt (on the default fixture, 4 tokens per sample, ~0.2
@@ -39,6 +44,28 @@ FIXTURE_NGRAM_ARGS = (
     "--spec-ngram-mod-n-min", "1",
     "--spec-ngram-mod-n-max", "8",
 )  # fmt: skip
+# The other n-gram drafters of b11434 (flags: common/arg.cpp; drafters: common/speculative.cpp,
+# common/ngram-map.cpp, common/ngram-cache.cpp), each with the shortest lookups its flags allow:
+# their defaults (12-token keys, 48-token values) never draft on the fixture's 5-letter prompt.
+# ngram-cache has no flags of its own (1- to 4-gram lookups, 8-token drafts, fixed thresholds).
+# All four verify by sample-and-match. What they keep across requests (docs/dist.md):
+# - ngram-simple: nothing (it searches the request's own tokens);
+# - ngram-map-k/-k4v, per slot: the keys found inside the prompt, each with its last draft's
+#   accepted count, which caps its next draft (a key rejected outright drafts no more there);
+# - ngram-cache, per slot: an n-gram cache fed only past the longest sequence the slot has seen
+#   (requests of equal length keep drafting from the slot's first request).
+# None of it can change a sample: each emitted token is the target's own draw at its position,
+# one RNG draw per token, as without a draft.
+NGRAM_TYPE_ARGS: dict[str, tuple[str, ...]] = {
+    "ngram-simple": ("--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "2"),
+    "ngram-map-k": ("--spec-ngram-map-k-size-n", "1", "--spec-ngram-map-k-size-m", "1"),
+    "ngram-map-k4v": (
+        "--spec-ngram-map-k4v-size-n", "1",
+        "--spec-ngram-map-k4v-size-m", "1",
+        "--spec-ngram-map-k4v-min-hits", "1",
+    ),
+    "ngram-cache": (),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,16 @@ PRESETS: dict[str, Preset] = {
             spec_type="ngram-mod",
             args=FIXTURE_NGRAM_ARGS,
         ),
+        *(
+            Preset(f"{model}-{t}", model, True, spec_type=t, args=a)
+            for model in ("fixture", "fixture-context")
+            for t, a in NGRAM_TYPE_ARGS.items()
+        ),
+        # the n-gram types with the spec-logprobs patch (`check`, the patch-equality tests)
+        *(
+            Preset(f"fixture-{t}-patched", "fixture", True, "patched", spec_type=t, args=a)
+            for t, a in NGRAM_TYPE_ARGS.items()
+        ),
         Preset("gemma-plain", "gemma", False),
         Preset("gemma-spec", "gemma", True),
         Preset("fixture-spec-patched", "fixture", True, "patched"),
@@ -144,7 +181,13 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-_PATH_ROLES = {"plain": "plain", "greedy": "spec", "rejection": "spec-rejection", "ngram": "ngram"}
+_PATH_ROLES = {
+    "plain": "plain",
+    "greedy": "spec",
+    "rejection": "spec-rejection",
+    "ngram": "ngram",
+    **{t: t for t in NGRAM_TYPE_ARGS},
+}
 
 
 def fixture_role(model: str, path: str) -> str:
@@ -162,7 +205,8 @@ def path_of(preset: Preset) -> str:
     if not preset.speculative:
         return "plain"
     if not preset.uses_draft:
-        return "ngram"  # the n-gram types (MTP, which needs no draft file, has no preset)
+        # the n-gram types: ngram-mod is "ngram", the others are named by their type
+        return preset.spec_type if preset.spec_type in NGRAM_TYPE_ARGS else "ngram"
     return "rejection" if preset.draft_sampling == "probabilistic" else "greedy"
 
 
@@ -230,6 +274,7 @@ __all__ = [
     "DRAFT_SAMPLING",
     "FIXTURE_NGRAM_ARGS",
     "MODELS",
+    "NGRAM_TYPE_ARGS",
     "PATCH",
     "PATHS",
     "POLICIES",
