@@ -27,7 +27,7 @@ import numpy as np
 from scipy import stats as st
 
 from specaudit import fixtures, stats
-from specaudit.distribution.render import p_eq
+from specaudit.distribution.render import fmt_gof_p, p_eq
 from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
@@ -622,6 +622,12 @@ def evidence_sentence(e: ImpossibleOutcome, prompt: str, spec: fixtures.FixtureS
     return out
 
 
+def _p_words(g: GofResult) -> str:
+    """'= 0.0042', '< 1e-300' or '~ 1e-1381' (the exact test's log-space tail)."""
+    f = fmt_gof_p(g)
+    return f"~ {f[1:]}" if f.startswith("~") else p_eq(g.p_value)
+
+
 def _reason(
     verdict: Verdict,
     tests: list[TestResult],
@@ -644,7 +650,7 @@ def _reason(
     if verdict is Verdict.BROKEN:
         top = min(tests, key=lambda x: x.p_holm)
         return (
-            f"{top.name} rejects: p {p_eq(top.gof.p_value)} "
+            f"{top.name} rejects: p {_p_words(top.gof)} "
             f"(Holm over {m}: p {p_eq(top.p_holm)}), alpha {alpha:g}"
         )
     pos = bounds[: workload.positions]

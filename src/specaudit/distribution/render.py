@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from specaudit.distribution.results import ContextResult, DistResult, EngineResult, TestResult
-from specaudit.stats import Verdict
+from specaudit.stats import GofResult, Verdict
 
 #: Verdict colours in plots (and for anyone drawing them): a pass green, WITHIN TOLERANCE a
 #: lighter green (certified within the tolerance, not more), BROKEN red, INCONCLUSIVE orange.
@@ -38,7 +38,7 @@ def test_rows(e: EngineResult) -> list[tuple[Any, ...]]:
             x.gof.method,
             _fmt_stat(x.gof.statistic),
             x.gof.df,
-            fmt_p(x.gof.p_value),
+            fmt_gof_p(x.gof),
             fmt_p(x.p_holm),
             _tv_cell(x),
             _bound_cell(x, e),
@@ -90,7 +90,7 @@ def context_rows(e: EngineResult) -> list[tuple[Any, ...]]:
             c.label,
             c.n,
             tokens_cell(c),
-            fmt_p(c.gof.p_value),
+            fmt_gof_p(c.gof),
             f"{c.tv.estimate:.3f} [{c.tv.lower:.3f}, {c.tv.upper:.3f}]",
         )
         for c in e.headline
@@ -103,6 +103,14 @@ def fmt_p(p: float) -> str:
     if p < 1e-300:
         return "<1e-300"
     return f"{p:.3g}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def fmt_gof_p(g: GofResult) -> str:
+    """A test's p-value for people: like `fmt_p`, but a p-value below floating point that the
+    test knows in log space is printed as its power of ten ('~1e-1381'), never as 0."""
+    if g.p_value < 1e-300 and g.p_value > 0 and g.log10_p is not None:
+        return f"~1e{math.floor(g.log10_p):d}"
+    return fmt_p(g.p_value)
 
 
 def p_eq(p: float) -> str:
@@ -303,6 +311,7 @@ __all__ = [
     "draft_cell",
     "evidence_cell",
     "evidence_lines",
+    "fmt_gof_p",
     "fmt_p",
     "p_eq",
     "plot_results",

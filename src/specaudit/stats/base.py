@@ -32,6 +32,9 @@ class GofResult:
     n_strata: int  # strata that carried information (n > 0 and more than one possible outcome)
     min_expected: float  # smallest expected cell count among the tested cells
     impossible: int = 0  # observations of zero-probability outcomes
+    # log10 of the p-value when it is known beyond floating point (the exact test: a possible
+    # outcome can be less likely than the smallest float); None when `p_value` says it all
+    log10_p: float | None = None
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,11 @@ def _compositions(n: int, k: int) -> np.ndarray:
     return np.diff(padded, axis=1) - 1
 
 
-def _exact_pvalue(obs: np.ndarray, p: np.ndarray) -> float:
-    """Exact multinomial test: P(G >= G_obs) summed over every possible outcome."""
+def _exact_pvalue(obs: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    """Exact multinomial test: P(G >= G_obs) summed over every possible outcome, as
+    (p-value, log10 of it). Summed in log space: the tail of a possible outcome is at least its
+    own probability, never 0, however far below the smallest float it lies; the float is then
+    floored at TINY_P, an upper bound of the true value (so still a valid p-value)."""
     n, k = int(obs.sum()), len(obs)
     xs = _compositions(n, k)
     logp = np.log(p)
@@ -97,7 +100,8 @@ def _exact_pvalue(obs: np.ndarray, p: np.ndarray) -> float:
     g_obs = float(_g_rows(obs[None, :], logp, n)[0])
     logpmf = special.gammaln(n + 1) - special.gammaln(xs + 1).sum(axis=1) + (xs * logp).sum(axis=1)
     tol = 1e-9 * max(1.0, abs(g_obs))
-    return float(min(1.0, np.exp(logpmf[g_all >= g_obs - tol]).sum()))
+    log_tail = min(0.0, float(special.logsumexp(logpmf[g_all >= g_obs - tol])))
+    return max(math.exp(log_tail), TINY_P), log_tail / math.log(10.0)
 
 
 def stratified_gof(
@@ -177,7 +181,8 @@ def stratified_gof(
         if _n_outcomes((o, p)) > exact_limit:
             raise ValueError("too many outcomes to enumerate; use monte-carlo")
         g = g_statistic(o, o.sum() * p)
-        return GofResult(g, df, _exact_pvalue(o, p), "exact", n_used, 1, min_e)
+        pv, log10_p = _exact_pvalue(o, p)
+        return GofResult(g, df, pv, "exact", n_used, 1, min_e, log10_p=log10_p)
 
     # Monte-Carlo: simulate the summed G statistic under the null.
     rng = np.random.default_rng(seed)
