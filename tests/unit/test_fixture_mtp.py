@@ -1,0 +1,184 @@
+"""Unit tests for the MTP-kind fixture (`fixtures.mtp_spec`): a glm4moe target with one
+multi-token-prediction layer, its bytes, its GGUF layout and its closed-form target and draft
+(no server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from specaudit import fixtures as fx
+from specaudit.fixtures.definitions import MTP_HIDDEN_WEIGHT
+from specaudit.fixtures.reference import mtp_head, mtp_target_hidden
+from specaudit.fixtures.specs import _random_table
+
+R = fx.REPORT_SAMPLER
+SPEC = fx.spec_for_kind("mtp")
+LETTERS = SPEC.letters
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> fx.FixtureSet:
+    return fx.build(tmp_path_factory.mktemp("mtp"), kind="mtp")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_mtp_fixture_is_byte_identical_across_builds(tmp_path: Path) -> None:
+    a = fx.build(tmp_path / "a", kind="mtp")
+    b = fx.build(tmp_path / "b", SPEC)
+    for name in (fx.TARGET_FILE, fx.DRAFT_FILE, fx.MANIFEST_FILE):
+        assert _sha(a.dir / name) == _sha(b.dir / name)
+
+
+def test_manifest_round_trips_and_load_checks_every_tensor(built: fx.FixtureSet) -> None:
+    again = fx.load(built.dir)
+    assert again.spec == SPEC
+    assert again.spec.kind == "mtp"
+    # a tensor of the MTP layer changed on disk is caught by the cross-check, not only the hash
+    data = bytearray(built.target.read_bytes())
+    data[-4:] = np.float32(7.0).tobytes()  # last value of the last tensor (shared_head_norm)
+    bad = built.dir.parent / "bad"
+    fx.build(bad, SPEC)
+    (bad / fx.TARGET_FILE).write_bytes(bytes(data))
+    with pytest.raises(fx.FixtureError):
+        fx.load(bad)
+
+
+def test_hidden_table_is_its_seeded_derivation() -> None:
+    drawn = _random_table(np.random.RandomState([11, 9]), 8, 2.0)
+    assert np.allclose(np.asarray(SPEC.draft_hidden), np.asarray(drawn), atol=5e-4)
+
+
+def test_gguf_is_a_glm4moe_with_one_dense_trunk_layer_and_one_nextn_layer(
+    built: fx.FixtureSet,
+) -> None:
+    r = gguf.GGUFReader(built.target)
+
+    def value(key: str) -> object:
+        field = r.get_field(key)
+        assert field is not None, key
+        return field.contents()
+
+    assert value("general.architecture") == "glm4moe"
+    assert value("glm4moe.block_count") == 2
+    assert value("glm4moe.nextn_predict_layers") == 1
+    assert value("glm4moe.leading_dense_block_count") == 1
+    assert value("glm4moe.expert_count") == 2
+    assert value("glm4moe.expert_used_count") == 1
+    assert value("glm4moe.expert_shared_count") == 1
+    names = {t.name for t in r.tensors}
+    for required in (
+        "blk.0.ffn_gate.weight",  # the trunk layer is dense
+        "blk.1.ffn_gate_inp.weight",  # the nextn layer is MoE
+        "blk.1.exp_probs_b.bias",
+        "blk.1.ffn_gate_shexp.weight",  # one shared expert, zero (none would pass silu(x))
+        "blk.1.nextn.eh_proj.weight",
+        "blk.1.nextn.enorm.weight",
+        "blk.1.nextn.hnorm.weight",
+        "blk.1.nextn.shared_head_head.weight",
+        "blk.1.nextn.shared_head_norm.weight",
+    ):
+        assert required in names
+    assert "blk.1.ffn_gate.weight" not in names  # llama.cpp rejects tensors it does not use
+    zeroed = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "exps.", "shexp.", "gate_inp.")
+    zero = [t for t in r.tensors if any(z in t.name for z in zeroed)]
+    assert len(zero) == 2 * 4 + 7 and not any(np.any(np.asarray(t.data)) for t in zero)
+    # both files are the one model (names aside): the target is its own drafter
+    d = gguf.GGUFReader(built.draft)
+    for a, b in zip(r.tensors, d.tensors, strict=True):
+        assert a.name == b.name and np.array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_target_is_the_default_fixtures_last_token_table() -> None:
+    default = fx.default_spec()
+    for prefix in ("bcdbc", "bcdbcf", "a", "hh"):
+        assert fx.next_token_distribution(SPEC, prefix, R) == pytest.approx(
+            fx.next_token_distribution(default, prefix, R), abs=1e-12
+        )
+
+
+def test_draft_is_token_table_plus_weighted_hidden_table() -> None:
+    """The closed form the writer's constants promise, up to the RMSNorm epsilon."""
+    n = len(LETTERS)
+    for prev, last in itertools.product(range(n), range(n)):
+        z = fx.context_logits(SPEC, LETTERS[prev] + LETTERS[last], "draft")[:n]
+        want = np.asarray(SPEC.draft[last]) + MTP_HIDDEN_WEIGHT * np.asarray(
+            SPEC.draft_hidden[prev]
+        )
+        assert np.allclose(z, want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_float32_forward_pass_of_the_gguf_agrees_with_the_reference(
+    built: fx.FixtureSet,
+) -> None:
+    """ggml's RMSNorm in float32 (float mean, 1/sqrtf) over the written tensors."""
+    t = {
+        x.name: np.asarray(x.data, dtype=np.float32) for x in gguf.GGUFReader(built.target).tensors
+    }
+    eps = np.float32(SPEC.config.rms_eps)
+
+    def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        mean = np.float32(np.sum(x.astype(np.float64) ** 2) / x.size)
+        return (x * (np.float32(1.0) / np.sqrt(np.float32(mean + eps))) * w).astype(np.float32)
+
+    for prev, last in itertools.product(range(len(LETTERS)), repeat=2):
+        h = norm(t["token_embd.weight"][prev], t["output_norm.weight"])
+        assert np.allclose(h, mtp_target_hidden(SPEC, prev), atol=1e-6)
+        e = norm(t["token_embd.weight"][last], t["blk.1.nextn.enorm.weight"])
+        hn = norm(h, t["blk.1.nextn.hnorm.weight"])
+        r = t["blk.1.nextn.eh_proj.weight"] @ np.concatenate([e, hn])
+        out = norm(r, t["blk.1.nextn.shared_head_norm.weight"])
+        z = t["blk.1.nextn.shared_head_head.weight"] @ out
+        ref, ref_h = mtp_head(SPEC, last, mtp_target_hidden(SPEC, prev))
+        assert np.allclose(z, ref, rtol=1e-6, atol=1e-5)
+        assert np.allclose(out, ref_h, atol=1e-6)
+
+
+def test_the_hidden_half_changes_the_greedy_draft() -> None:
+    """A head handed the wrong hidden row drafts other tokens: for every token fed, the letter
+    before it moves the MTP head's argmax."""
+    n = len(LETTERS)
+    for last in range(n):
+        drafts = {
+            int(np.argmax(fx.context_logits(SPEC, LETTERS[p] + LETTERS[last], "draft")[:n]))
+            for p in range(n)
+        }
+        assert len(drafts) >= 2, LETTERS[last]
+
+
+def test_first_draft_step_without_a_hidden_row_uses_the_token_half_only() -> None:
+    """llama.cpp's first pending row is zeros: the head sees the token half alone, which its
+    norm scales to 1.25 (1024 in 64 dims has RMS 128; 8 x 5/32)."""
+    z = fx.context_logits(SPEC, "c", "draft")[: len(LETTERS)]
+    assert np.allclose(z, 1.25 * np.asarray(SPEC.draft[2]), rtol=1e-6)
+
+
+def test_state_key_is_the_last_two_letters_and_marginals_agree_with_the_joint() -> None:
+    assert SPEC.state_key("bcdbc") == "bc"
+    assert SPEC.state_key("c") == "c"
+    truth = fx.FixtureTruth(SPEC, SPEC.prompt, R)
+    joint = truth.joint(3)
+    idx = {ch: i for i, ch in enumerate(LETTERS)}
+    for t in (1, 2, 3):
+        m = np.zeros(len(LETTERS))
+        for seq, p in joint.items():
+            m[idx[seq[t - 1]]] += p
+        assert np.allclose(truth.marginal(t)[: len(LETTERS)], m, atol=1e-12)
+
+
+def test_spec_validation_of_the_hidden_table() -> None:
+    with pytest.raises(ValueError, match="draft_hidden"):
+        dataclasses.replace(SPEC, draft_hidden=())
+    with pytest.raises(ValueError, match="draft_hidden"):
+        dataclasses.replace(fx.default_spec(), draft_hidden=SPEC.draft_hidden)
+    with pytest.raises(ValueError, match="n_embd"):
+        dataclasses.replace(SPEC, config=fx.ModelConfig(n_embd=16))
