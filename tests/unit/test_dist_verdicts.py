@@ -507,3 +507,22 @@ def test_within_tolerance_is_a_pass_of_its_own(tmp_path: Path) -> None:
     assert "WITHIN TOLERANCE" in distribution.to_markdown(result(good, seq))
     png = distribution.plot_results(result(good, seq), tmp_path / "d.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_within_tolerance_states_the_e_value_and_threshold_that_decided() -> None:
+    """The reason prints the averaged e-value against 2/alpha, the pair the BROKEN rule uses,
+    not the omnibus e-value against 1/alpha."""
+    samples = draw(SPEC, WL, 3000, np.random.default_rng(21))
+    seq = distribution.sequential.Sequential(
+        distribution.Truth(SPEC, WL), WL, 0.01, 0.15, len(samples), mc_draws=500
+    )
+    for s in samples:
+        if seq.add(s):
+            break
+    assert seq.verdict is Verdict.WITHIN_TOLERANCE
+    reason = seq.reason()
+    assert f"e-value {seq.e_value:.3g} < 2/alpha = {seq.e_threshold:g}" in reason
+    assert seq.e_threshold == pytest.approx(2 / 0.01)
+    if f"{seq.eproc.e_value:.3g}" != f"{seq.e_value:.3g}":
+        assert f"e-value {seq.eproc.e_value:.3g}" not in reason
+    assert f"< {1 / 0.01:g}" not in reason

@@ -191,7 +191,9 @@ class Sequential:
             return (
                 f"after {n} samples the prefix-averaged next-token TV of every position and the "
                 f"joint's TV are <= {max(self.tv_uppers):.3f} (alpha-spending bounds, tolerance "
-                f"{self.tolerance:g}); e-value {self.eproc.e_value:.3g} < {1 / self.alpha:g}. "
+                f"{self.tolerance:g}); e-value {self.e_value:.3g} < 2/alpha = "
+                f"{self.e_threshold:g} (omnibus and draft-direction e-processes averaged, the "
+                "quantity that decides BROKEN). "
                 "Within tolerance only: an early stop does not show that smaller deviations "
                 "would have been seen (the fixed-sample test certifies PRESERVED)"
             )
