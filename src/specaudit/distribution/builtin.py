@@ -279,6 +279,9 @@ TRANSFORMERS = register(
 # engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
 from specaudit.distribution import openvino  # noqa: E402, F401
 
+# engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
+from specaudit.distribution import openvino  # noqa: E402, F401
+
 __all__ = [
     "DRAFT_SAMPLING",
     "OPENAI",

@@ -19,6 +19,7 @@ from specaudit.distribution.results import DistError
 
 if TYPE_CHECKING:
     from specaudit.distribution.request import DistRequest
+    from specaudit.fixtures import FixtureSpec
     from specaudit.llama.build import LlamaBinaries
 
 
@@ -34,10 +35,13 @@ class EngineOption:
 
 @dataclass
 class Unit:
-    """One engine to measure; `path`: the verification path it runs (the server engine)."""
+    """One engine to measure; `path`: the verification path it runs (the server engine);
+    `spec`: the fixture whose closed form it is tested against when the engine runs a
+    converted copy (OpenVINO's F16 weights), None for the request's own."""
 
     engine: Engine
     path: str | None = None
+    spec: FixtureSpec | None = None
 
 
 @dataclass

@@ -62,7 +62,7 @@ def run(request: DistRequest, *, progress: ProgressFn | None = None) -> DistResu
         with contextlib.closing(units):  # a server still up stops when measuring fails
             for unit in units:
                 res = measure(
-                    unit.engine, req.fixture.spec, req.workload, req.seed_range,
+                    unit.engine, unit.spec or req.fixture.spec, req.workload, req.seed_range,
                     alpha=req.alpha, tolerance=req.tolerance, sequential=req.sequential,
                     progress=progress,
                 )  # fmt: skip
