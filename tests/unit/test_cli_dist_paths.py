@@ -45,14 +45,18 @@ def _one_error(err: str) -> str:
 def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
     assert distribution.PATHS == presets.PATHS == (
-        "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES,
+        "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES, "mtp", "mtp-rejection",
     )  # fmt: skip
     assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
 
 def test_every_path_has_a_role_on_both_fixtures() -> None:
-    for model in ("fixture", "fixture-context"):
-        for path in distribution.PATHS:
+    for model, kind in (
+        ("fixture", "last-token"),
+        ("fixture-context", "context"),
+        ("fixture-mtp", "mtp"),
+    ):
+        for path in coverage.kind_paths(kind):
             role = presets.fixture_role(model, path)
             p = presets.PRESETS[role]
             assert p.model == model and presets.path_of(p) == path, role
@@ -68,7 +72,14 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
             assert p.spec_type == t and not p.uses_draft and p.variant == "stock"
             assert p.extra_args == presets.NGRAM_TYPE_ARGS[t]
     with pytest.raises(ValueError, match="path must be one of"):
+        presets.fixture_role("fixture", "eagle3")
+    with pytest.raises(ValueError, match="does not run on"):
         presets.fixture_role("fixture", "mtp")
+    with pytest.raises(ValueError, match="does not run on"):
+        presets.fixture_role("fixture-mtp", "greedy")
+    mtp = presets.PRESETS["fixture-mtp-mtp-rejection"]
+    assert mtp.uses_mtp and not mtp.uses_draft and mtp.spec_type == "draft-mtp"
+    assert mtp.extra_args == ("--spec-draft-sampling", "probabilistic")
     with pytest.raises(ValueError, match="draft_sampling needs a draft"):
         presets.Preset("x", "fixture", False, draft_sampling="probabilistic")
 
@@ -80,7 +91,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
     assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
-    assert "--fixture-kind [last-token|context]" in out
+    assert "--fixture-kind [last-token|context|mtp]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
         assert f"  {p} " in out
@@ -91,7 +102,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
 
 def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     code, out, _ = cli("fixtures", "build", "--help")
-    assert code == 0 and "--kind [last-token|context]" in out and "default: last-token" in out
+    assert code == 0 and "--kind [last-token|context|mtp]" in out and "default: last-token" in out
 
 
 # ------------------------------------------------------------------------- option checking
@@ -100,7 +111,9 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("--path", "mtp"), "'mtp' is not one of"),
+        (("--path", "eagle3"), "'eagle3' is not one of"),
+        (("--path", "mtp"), "--path mtp needs the mtp fixture (--fixture-kind mtp)"),
+        (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
         (("--path", "Greedy"), "is not one of"),
         (("--fixture-kind", "other"), "'other' is not one of"),
         (("--engine", "url", "--url", "http://127.0.0.1:9", "--path", "greedy"), "--path applies"),
@@ -216,7 +229,7 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     res = distribution.run(
         distribution.make_request(("server",), binaries=bins, work_dir=tmp_path, seeds=5)
     )
-    assert [e.path for e in res.engines] == list(distribution.PATHS)
+    assert [e.path for e in res.engines] == list(coverage.kind_paths("last-token"))
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
         *(f"server-{t}" for t in NGRAM_TYPES),
@@ -242,7 +255,7 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
         flags = presets.NGRAM_TYPE_ARGS[t]
         assert a[len(a) - len(flags) :] == list(flags), t
     assert argv["dist-ngram-map-k4v"][-2:] == ["--spec-ngram-map-k4v-min-hits", "1"]
-    assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
+    assert {p for p, _ in res.not_covered} >= {"replay", "synthetic"}
     assert "rejection" not in {p for p, _ in res.not_covered}
 
 
@@ -271,7 +284,8 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
     [
         ({"paths": "greedy"}, "not one string"),
         ({"paths": ()}, "no --path given"),
-        ({"paths": ("greedy", "mtp")}, "unknown --path 'mtp'"),
+        ({"paths": ("greedy", "eagle3")}, "unknown --path 'eagle3'"),
+        ({"paths": ("greedy", "mtp")}, "--path mtp needs the mtp fixture"),
         ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
     ],
 )
@@ -338,12 +352,15 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     wl = distribution.make_workload(fixtures.default_spec())
     res = distribution.DistResult("x", Path("."), {}, wl, 0.01, 0.15, False, [e])
     rows = {(r[0], r[2]): r for r in coverage.coverage_rows(res)}
-    assert len(rows) == len(coverage.coverage_rows(res)) == 12  # draft-simple: two paths
+    # draft-simple and draft-mtp: two paths each
+    assert len(rows) == len(coverage.coverage_rows(res)) == 13
     assert rows["ngram-cache", "ngram-cache"][1:6] == ("yes", "ngram-cache", "PRESERVED", 12, 5)
     assert rows["ngram-map-k", "ngram-map-k"][3:6] == ("not run", None, None)
     assert rows["ngram-mod", "ngram"][1] == "yes"
     assert rows["draft-simple", "rejection"][1] == "yes"
-    for t in ("draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"):
+    assert rows["draft-mtp", "mtp"][1:4] == ("yes", "mtp", "not run")
+    assert rows["draft-mtp", "mtp-rejection"][1] == "yes"
+    for t in ("draft-eagle3", "draft-dflash", "draft-dspark"):
         row = rows[t, "-"]
         assert row[1:4] == ("no", "-", "-") and len(row[6]) > 40, t
     k4v = rows["ngram-map-k4v", "ngram-map-k4v"][6]
@@ -351,7 +368,8 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     md = distribution.paths_markdown(res)
     assert "Every --spec-type of b11434:" in md
     assert "| ngram-cache | yes | ngram-cache | PRESERVED | 12 | 5 |" in md
-    assert "| draft-mtp | no | - | - | - | - |" in md
+    assert "| draft-mtp | yes | mtp | not run | - | - |" in md
+    assert "| draft-eagle3 | no | - | - | - | - |" in md
     # no server path ran (a URL): no coverage table
     e.path = None
     assert "Every --spec-type" not in distribution.paths_markdown(res)

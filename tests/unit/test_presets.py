@@ -27,7 +27,8 @@ def test_every_role_is_sized_by_its_model_policy(tmp_path: Path) -> None:
         assert a[a.index("-np") + 1] == str(pol.parallel), name
         assert a[a.index("-c") + 1] == str(pol.parallel * pol.ctx_per_slot), name
         assert ("-t" in a) is (pol.threads is not None), name
-        assert ("-md" in a) is (p.speculative and p.spec_type.startswith("draft")), name
+        has_draft = p.speculative and p.spec_type.startswith("draft") and p.spec_type != "draft-mtp"
+        assert ("-md" in a) is has_draft, name
         assert ("--spec-type" in a) is p.speculative, name
         assert srv.name == name
 

@@ -233,10 +233,11 @@ def choice_option(
 
 # `specaudit.fixtures.KINDS`, spelled out here: that module imports numpy, and `--help` must
 # not (tests/unit/test_cli_dist_paths.py checks they agree).
-FIXTURE_KINDS = ("last-token", "context")
+FIXTURE_KINDS = ("last-token", "context", "mtp")
 FIXTURE_KIND_HELP = (
-    "Fixture kind: last-token (each token's distribution depends on the previous token only) "
-    "or context (on the whole context, through attention)."
+    "Fixture kind: last-token (each token's distribution depends on the previous token only), "
+    "context (on the whole context, through attention) or mtp (last-token, a glm4moe whose "
+    "multi-token-prediction layer drafts for --spec-type draft-mtp)."
 )
 
 

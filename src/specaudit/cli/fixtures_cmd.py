@@ -21,8 +21,9 @@ def command() -> None:
     "--kind",
     default="last-token",
     help="Which fixture: last-token (each next-token distribution depends on the previous "
-    "token only: `dist`'s default) or context (on the whole context, through attention: "
-    "`dist --fixture-kind context`).",
+    "token only: `dist`'s default), context (on the whole context, through attention: "
+    "`dist --fixture-kind context`) or mtp (last-token, with an MTP layer that drafts: "
+    "`dist --fixture-kind mtp`).",
 )
 @json_option
 def build_cmd(directory: Path, fixture_kind: str, as_json: bool) -> None:

@@ -41,7 +41,11 @@ _SERVER_NAMES = {
     "rejection": "dist-spec-probabilistic",
     "ngram": "dist-ngram",
     **{t: f"dist-{t}" for t in presets.NGRAM_TYPE_ARGS},
+    "mtp": "dist-mtp",
+    "mtp-rejection": "dist-mtp-probabilistic",
 }
+# the presets' model of each fixture kind
+_KIND_MODELS = {"last-token": "fixture", "context": "fixture-context", "mtp": "fixture-mtp"}
 
 
 # ------------------------------------------------------------------------------ server
@@ -49,7 +53,9 @@ _SERVER_NAMES = {
 
 def _server_paths(req: DistRequest) -> tuple[str, ...]:
     """The paths the server engine runs (checked by `_check_server`)."""
-    paths = coverage.check_paths(req.option("paths"), req.workload.sampler.temperature)
+    paths = coverage.check_paths(
+        req.option("paths"), req.workload.sampler.temperature, req.fixture.spec.kind
+    )
     assert paths is not None
     return paths
 
@@ -94,11 +100,16 @@ def spawn_server(
     its distribution q, verified by rejection sampling; only at temperature > 0). "ngram" is
     ``--spec-type ngram-mod`` without a draft model (`presets.FIXTURE_NGRAM_ARGS`);
     "ngram-simple", "ngram-map-k", "ngram-map-k4v" and "ngram-cache" are those types, with the
-    flags that make each draft on the fixture (`presets.NGRAM_TYPE_ARGS`).
+    flags that make each draft on the fixture (`presets.NGRAM_TYPE_ARGS`). "mtp" and
+    "mtp-rejection" (``--spec-type draft-mtp``, no draft model: the target's MTP layer drafts,
+    greedy or probabilistic) run only on the MTP fixture, which runs them and "plain".
     """
     path = _server_path(draft, draft_sampling, path)
-    model = "fixture-context" if fixture.spec.kind == "context" else "fixture"
-    preset = presets.PRESETS[presets.fixture_role(model, path)]
+    model = _KIND_MODELS[fixture.spec.kind]
+    try:
+        preset = presets.PRESETS[presets.fixture_role(model, path)]
+    except ValueError as e:
+        raise DistError(f"fixture {fixture.spec.name!r}: {e}") from None
     name = _SERVER_NAMES[path]
     # presets' fixture policy: one thread (the fixture needs no second one; on a busy machine
     # extra threads only spin); a slot gets the fixture's whole context.
@@ -228,11 +239,14 @@ SERVER = register(
                 "--path",
                 "paths",
                 PATHS,
-                "Verification path(s) of --engine server, repeatable [default: all; rejection "
-                "only at --temperature > 0]: plain (no draft), greedy (draft, "
-                "sample-and-match), rejection (--spec-draft-sampling probabilistic: rejection "
-                "sampling), ngram (ngram-mod, no draft model), and ngram-simple, ngram-map-k, "
-                "ngram-map-k4v, ngram-cache (those n-gram types, no draft model).",
+                "Verification path(s) of --engine server, repeatable [default: all the "
+                "fixture's; rejection paths only at --temperature > 0]: plain (no draft), "
+                "greedy (draft, sample-and-match), rejection (--spec-draft-sampling "
+                "probabilistic: rejection sampling), ngram (ngram-mod, no draft model), and "
+                "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache (those n-gram types, no "
+                "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
+                "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
+                "plain, mtp, mtp-rejection).",
             ),
         ),
         check=_check_server,
@@ -275,9 +289,6 @@ TRANSFORMERS = register(
         check=_check_transformers,
     )
 )
-
-# engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
-from specaudit.distribution import openvino  # noqa: E402, F401
 
 # engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
 from specaudit.distribution import openvino  # noqa: E402, F401

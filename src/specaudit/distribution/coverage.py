@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from specaudit.distribution.results import DistError, DistResult, EngineResult
-from specaudit.llama.presets import FIXTURE_NGRAM_ARGS, NGRAM_TYPE_ARGS, PATHS
+from specaudit.llama.presets import (
+    FIXTURE_NGRAM_ARGS,
+    MTP_MODEL_PATHS,
+    MTP_PATHS,
+    NGRAM_TYPE_ARGS,
+    PATHS,
+)
 
 # path -> (engine label, engine kind)
 PATH_ENGINES: dict[str, tuple[str, str]] = {
@@ -26,6 +32,8 @@ PATH_ENGINES: dict[str, tuple[str, str]] = {
     "rejection": ("llama-server + draft, rejection", "server-spec-rejection"),
     "ngram": ("llama-server + ngram-mod", "server-ngram"),
     **{t: (f"llama-server + {t}", f"server-{t}") for t in NGRAM_TYPE_ARGS},
+    "mtp": ("llama-server + MTP, greedy", "server-mtp"),
+    "mtp-rejection": ("llama-server + MTP, rejection", "server-mtp-rejection"),
 }
 
 PATH_HELP: dict[str, str] = {
@@ -37,15 +45,14 @@ PATH_HELP: dict[str, str] = {
     "ngram-map-k": "--spec-type ngram-map-k (n=1, m=1): n-gram drafts, sample-and-match",
     "ngram-map-k4v": "--spec-type ngram-map-k4v (n=1, m=1, 1 hit): n-gram drafts, sample-and-match",
     "ngram-cache": "--spec-type ngram-cache: n-gram cache drafts, sample-and-match",
+    "mtp": "--spec-type draft-mtp, no draft model: the target's MTP layer drafts greedily, "
+    "sample-and-match (the mtp fixture)",
+    "mtp-rejection": "--spec-type draft-mtp --spec-draft-sampling probabilistic: rejection "
+    "sampling of the MTP layer's drafts (T > 0; the mtp fixture)",
 }
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
 NOT_COVERED: tuple[tuple[str, str], ...] = (
-    (
-        "mtp",
-        "--spec-type draft-mtp drafts with the target's own multi-token-prediction heads; "
-        "the fixtures have none",
-    ),
     (
         "eagle3/dflash/dspark",
         "these drafters need draft heads trained on the target's hidden states; none exist "
@@ -82,9 +89,10 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (
         "draft-mtp",
-        (),
-        "drafts with the target's own MTP (nextn) layers in a second context on the target; "
-        "no fixture has MTP layers, and without them the server refuses to start",
+        ("mtp", "mtp-rejection"),
+        "no -md: the target's own MTP (nextn) layer drafts in a second context on the target "
+        "(the mtp fixture, a glm4moe with one MTP layer): greedy drafts verified by "
+        "sample-and-match; --spec-draft-sampling probabilistic by rejection sampling (T > 0)",
     ),
     (
         "draft-eagle3",
@@ -138,11 +146,26 @@ REJECTION_NEEDS_TEMPERATURE = (
 )
 
 
-def check_paths(paths: Sequence[str] | None, temperature: float) -> tuple[str, ...] | None:
-    """`paths` checked (None: every path, rejection only at temperature > 0); a DistError on
-    an unknown path, a string, an empty list, or rejection asked for at temperature 0."""
+#: Paths that verify by rejection sampling: only at temperature > 0.
+REJECTION_PATHS = ("rejection", "mtp-rejection")
+
+
+def kind_paths(kind: str) -> tuple[str, ...]:
+    """The paths a fixture kind runs: the MTP fixture `MTP_MODEL_PATHS` (only it has an MTP
+    layer, and only MTP drafts with it), every other kind every path but `MTP_PATHS`."""
+    if kind == "mtp":
+        return MTP_MODEL_PATHS
+    return tuple(p for p in PATHS if p not in MTP_PATHS)
+
+
+def check_paths(
+    paths: Sequence[str] | None, temperature: float, kind: str = "last-token"
+) -> tuple[str, ...] | None:
+    """`paths` checked (None: every path of the fixture `kind`, rejection paths only at
+    temperature > 0); a DistError on an unknown path, a string, an empty list, a rejection
+    path asked for at temperature 0, or a path the fixture kind cannot run."""
     if paths is None:
-        return tuple(p for p in PATHS if p != "rejection" or temperature > 0)
+        return tuple(p for p in kind_paths(kind) if p not in REJECTION_PATHS or temperature > 0)
     if isinstance(paths, str):
         raise DistError("paths must be a sequence of path names, not one string")
     if not paths:
@@ -150,17 +173,29 @@ def check_paths(paths: Sequence[str] | None, temperature: float) -> tuple[str, .
     for p in paths:
         if p not in PATHS:
             raise DistError(f"unknown --path {p!r} (one of {', '.join(PATHS)})")
-    if "rejection" in paths and not temperature > 0:
-        raise DistError(f"--path rejection needs --temperature > 0 ({REJECTION_NEEDS_TEMPERATURE})")
+    for p in REJECTION_PATHS:
+        if p in paths and not temperature > 0:
+            raise DistError(f"--path {p} needs --temperature > 0 ({REJECTION_NEEDS_TEMPERATURE})")
+    for p in paths:
+        if p not in kind_paths(kind):
+            need = (
+                "the mtp fixture (--fixture-kind mtp): only it has an MTP layer"
+                if p in MTP_PATHS
+                else "a fixture of another kind (the mtp fixture runs "
+                f"{', '.join(MTP_MODEL_PATHS)})"
+            )
+            raise DistError(f"--path {p} needs {need}")
     return tuple(dict.fromkeys(paths))
 
 
 def not_covered(paths: Sequence[str], temperature: float) -> list[tuple[str, str]]:
     """What a run of the server engine on `paths` leaves out: `NOT_COVERED`, and rejection
-    when temperature 0 dropped it."""
+    (and mtp-rejection next to mtp) when temperature 0 dropped it."""
     out = list(NOT_COVERED)
-    if "rejection" not in paths and not temperature > 0:
-        out.insert(0, ("rejection", REJECTION_NEEDS_TEMPERATURE))
+    dropped = ["rejection", *(["mtp-rejection"] if "mtp" in paths else [])]
+    for p in reversed(dropped):
+        if p not in paths and not temperature > 0:
+            out.insert(0, (p, REJECTION_NEEDS_TEMPERATURE))
     return out
 
 
@@ -207,9 +242,11 @@ __all__ = [
     "PATH_ENGINES",
     "PATH_HEADERS",
     "PATH_HELP",
+    "REJECTION_PATHS",
     "SPEC_TYPES",
     "check_paths",
     "coverage_rows",
+    "kind_paths",
     "not_covered",
     "not_covered_lines",
     "path_rows",

@@ -212,7 +212,7 @@ def load_fixture(
     kind: str | None = None,
 ) -> fixtures.FixtureSet:
     """The fixture at `path` (SHA-256 verified), or the built-in fixture of `kind` ("last-token",
-    the default, or "context": `fixtures.KINDS`) built into `work_dir`. With both, the fixture
+    the default, "context" or "mtp": `fixtures.KINDS`) built into `work_dir`. With both, the fixture
     at `path` must be of that kind."""
     _check_kind(None, kind)
     if path is None:
@@ -220,6 +220,8 @@ def load_fixture(
         d = work_dir or (cache_root() / "fixtures")
         if kind == "context":
             return fixtures.build(d / "context", kind="context")
+        if kind == "mtp":
+            return fixtures.build(d / "mtp", kind="mtp")
         return fixtures.build(d / "default")
     try:
         fs = fixtures.load(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
-MODELS = ("fixture", "fixture-context", "gemma")
+MODELS = ("fixture", "fixture-context", "fixture-mtp", "gemma")
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
@@ -32,7 +32,15 @@ DRAFT_SAMPLING = ("greedy", "probabilistic")
 PATHS = (
     "plain", "greedy", "rejection", "ngram",
     "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
+    "mtp", "mtp-rejection",
 )  # fmt: skip
+# The MTP paths: `--spec-type draft-mtp` with no draft model drafts with the target's own
+# multi-token-prediction layer (a second, MTP-type context on the target model), greedy
+# (sample-and-match) or probabilistic (rejection sampling). Only the MTP fixture
+# (fixtures kind "mtp", model "fixture-mtp") has such a layer: on a model without one
+# llama-server refuses to start. That fixture runs these and "plain".
+MTP_PATHS = ("mtp", "mtp-rejection")
+MTP_MODEL_PATHS = ("plain", *MTP_PATHS)
 
 # ngram-mod's defaults look up 24-token n-grams and draft nothing under 48 tokens: on the
 # fixture's 5-letter prompt it would never draft. Single-token lookups make it draft whenever
@@ -90,6 +98,7 @@ POLICIES = {
     "fixture-context": Policy(
         parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
     ),
+    "fixture-mtp": Policy(parallel=4, ctx_per_slot=256, threads=1),
     "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
 }
 
@@ -116,8 +125,13 @@ class Preset:
     def __post_init__(self) -> None:
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"{self.name}: draft_sampling {self.draft_sampling!r}")
-        if self.draft_sampling != "greedy" and not self.uses_draft:
-            raise ValueError(f"{self.name}: draft_sampling needs a draft model")
+        if self.draft_sampling != "greedy" and not (self.uses_draft or self.uses_mtp):
+            raise ValueError(f"{self.name}: draft_sampling needs a draft model or MTP")
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Drafts with the target's own MTP layer (no draft model)."""
+        return self.speculative and self.spec_type == "draft-mtp"
 
     @property
     def uses_draft(self) -> bool:
@@ -172,6 +186,15 @@ PRESETS: dict[str, Preset] = {
             Preset(f"fixture-{t}-patched", "fixture", True, "patched", spec_type=t, args=a)
             for t, a in NGRAM_TYPE_ARGS.items()
         ),
+        Preset("fixture-mtp-plain", "fixture-mtp", False),
+        Preset("fixture-mtp-mtp", "fixture-mtp", True, spec_type="draft-mtp"),
+        Preset(
+            "fixture-mtp-mtp-rejection",
+            "fixture-mtp",
+            True,
+            spec_type="draft-mtp",
+            draft_sampling="probabilistic",
+        ),
         Preset("gemma-plain", "gemma", False),
         Preset("gemma-spec", "gemma", True),
         Preset("fixture-spec-patched", "fixture", True, "patched"),
@@ -187,16 +210,20 @@ _PATH_ROLES = {
     "rejection": "spec-rejection",
     "ngram": "ngram",
     **{t: t for t in NGRAM_TYPE_ARGS},
+    **{p: p for p in MTP_PATHS},
 }
 
 
 def fixture_role(model: str, path: str) -> str:
-    """The `PRESETS` name of a fixture server (`model` "fixture" or "fixture-context") on a
-    verification path (a `PATHS` value)."""
-    if model not in ("fixture", "fixture-context"):
+    """The `PRESETS` name of a fixture server (`model` "fixture", "fixture-context" or
+    "fixture-mtp") on a verification path (a `PATHS` value; the MTP fixture runs
+    `MTP_MODEL_PATHS`, the others every path but `MTP_PATHS`)."""
+    if model not in ("fixture", "fixture-context", "fixture-mtp"):
         raise ValueError(f"not a fixture model: {model!r}")
     if path not in _PATH_ROLES:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    if (model == "fixture-mtp") != (path in MTP_PATHS) and path != "plain":
+        raise ValueError(f"path {path!r} does not run on the {model!r} model")
     return f"{model}-{_PATH_ROLES[path]}"
 
 
@@ -204,6 +231,8 @@ def path_of(preset: Preset) -> str:
     """The verification path a role exercises (a `PATHS` value)."""
     if not preset.speculative:
         return "plain"
+    if preset.uses_mtp:
+        return "mtp-rejection" if preset.draft_sampling == "probabilistic" else "mtp"
     if not preset.uses_draft:
         # the n-gram types: ngram-mod is "ngram", the others are named by their type
         return preset.spec_type if preset.spec_type in NGRAM_TYPE_ARGS else "ngram"
@@ -274,6 +303,8 @@ __all__ = [
     "DRAFT_SAMPLING",
     "FIXTURE_NGRAM_ARGS",
     "MODELS",
+    "MTP_MODEL_PATHS",
+    "MTP_PATHS",
     "NGRAM_TYPE_ARGS",
     "PATCH",
     "PATHS",
