@@ -436,42 +436,53 @@ def fidelity(
 class Reproducibility:
     """Does a seed give the same sample again? `twice`: seeds whose two requests (one after
     the other, alone) differed; `batch`: seeds whose request alone differed from the same
-    request among `batch_size` others. A path with either above 0 is not reproducible."""
+    request among `batch_size` others; `batch_twice`: seeds whose sample differed between two
+    identical batches. A path with any of them non-empty is not reproducible."""
 
     path: str
     seeds: int
     batch_size: int
     twice: list[int]
     batch: list[int]
+    batch_twice: list[int]
 
     @property
     def reproducible(self) -> bool:
-        return not self.twice and not self.batch
+        return not self.twice and not self.batch and not self.batch_twice
 
     def summary(self) -> str:
+        n = self.seeds
         return (
-            f"same seed twice: {self.seeds - len(self.twice)}/{self.seeds} equal; alone vs in a "
-            f"batch of {self.batch_size}: {self.seeds - len(self.batch)}/{self.seeds} equal"
+            f"alone twice: {n - len(self.twice)}/{n} equal; alone vs in a batch of "
+            f"{self.batch_size}: {n - len(self.batch)}/{n} equal; the same batch twice: "
+            f"{n - len(self.batch_twice)}/{n} equal"
         )
 
 
 def reproducibility(
     pipes: Pipelines, workload: Workload, path: str, seeds: Sequence[int]
 ) -> Reproducibility:
-    """Each seed alone twice, then all seeds in one batch (`run_requests`)."""
+    """Each seed alone twice, then all seeds in one batch twice (`run_requests`)."""
     pipe = pipes.get(path)
     ids = pipes.spec.tokenize(workload.prompt)
 
     def alone(seed: int) -> list[int]:
         return run_requests(pipe, ids, [generation_config(workload, path, seed)])[0].ids
 
+    def batch() -> list[list[int]]:
+        cfgs = [generation_config(workload, path, s) for s in seeds]
+        return [o.ids for o in run_requests(pipe, ids, cfgs)]
+
     first = [alone(s) for s in seeds]
     second = [alone(s) for s in seeds]
-    cfgs = [generation_config(workload, path, s) for s in seeds]
-    batched = [o.ids for o in run_requests(pipe, ids, cfgs)]
-    twice = [s for s, a, b in zip(seeds, first, second, strict=True) if a != b]
-    batch = [s for s, a, b in zip(seeds, first, batched, strict=True) if a != b]
-    return Reproducibility(path, len(seeds), len(seeds), twice, batch)
+    b1, b2 = batch(), batch()
+
+    def differ(a: list[list[int]], b: list[list[int]]) -> list[int]:
+        return [s for s, x, y in zip(seeds, a, b, strict=True) if x != y]
+
+    return Reproducibility(
+        path, len(seeds), len(seeds), differ(first, second), differ(first, b1), differ(b1, b2)
+    )
 
 
 # ------------------------------------------------------------------------ registration
