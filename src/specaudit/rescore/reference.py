@@ -1,0 +1,303 @@
+"""The reference: the same model file served without speculation, asked for the processed
+next-token distribution of one exact token-id prefix.
+
+Why a plain llama-server: its post-sampling candidates (``n_probs`` with
+``post_sampling_probs``) are exactly the distribution its sampler chain draws the next token
+from, for a prompt given as token ids (no re-tokenisation), one forward pass per prefix
+(``n_predict: 1``, prompt cache on). The engine under test cannot influence it: it is another
+process, refused when it speculates (``/slots``) or serves another model (``/v1/models``
+metadata and a probe prompt's distribution).
+
+Transport only: what the answers mean (PIT values, tests, fidelity) lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specaudit.client import AsyncClient, Client, ClientError
+from specaudit.distribution.engines import SAMPLER_CHAIN
+from specaudit.fixtures import SamplerSettings
+from specaudit.rescore.records import NextToken, RescoreError
+
+# The most candidates a reference is asked for: with top-k 0 (no top-k) on a 262k vocabulary
+# the support is the whole vocabulary, which no reference returns per token.
+MAX_SUPPORT = 1024
+# A processed distribution that sums to less than this does not cover the sampler's support.
+COVERAGE = 1.0 - 1e-4
+# Probe prompt distributions of engine and reference may differ by this much (float noise of
+# batch sizes and threads; the fidelity check measures the floor properly).
+PROBE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a llama-server says about the model it serves (``/v1/models`` ``meta``)."""
+
+    n_vocab: int | None
+    n_params: int | None
+    size: int | None
+    n_ctx_train: int | None
+    n_embd: int | None
+    vocab_type: int | None
+    ftype: Any = None
+
+    def differences(self, other: ModelIdentity) -> list[str]:
+        """The fields both report and that differ, as ``name a != b``."""
+        out = []
+        for name in ("n_vocab", "n_params", "size", "n_ctx_train", "n_embd", "vocab_type"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a is not None and b is not None and a != b:
+                out.append(f"{name} {a} != {b}")
+        return out
+
+
+def identity_from_models(body: Any) -> ModelIdentity | None:
+    """The first model's ``meta`` of a ``/v1/models`` answer (None: not a llama-server)."""
+    try:
+        meta = body["data"][0]["meta"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+
+    def num(k: str) -> int | None:
+        v = meta.get(k)
+        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    return ModelIdentity(
+        n_vocab=num("n_vocab"),
+        n_params=num("n_params"),
+        size=num("size"),
+        n_ctx_train=num("n_ctx_train"),
+        n_embd=num("n_embd"),
+        vocab_type=num("vocab_type"),
+        ftype=meta.get("ftype"),
+    )
+
+
+def support_size(sampler: SamplerSettings, n_vocab: int | None) -> int:
+    """How many candidates the reference must return to cover the sampler's support, or a
+    one-line RescoreError when no reference can (top-k 0 on a large vocabulary)."""
+    k = sampler.top_k
+    if sampler.temperature <= 0:
+        return 1  # greedy: the argmax alone
+    if k <= 0 or (n_vocab is not None and k >= n_vocab):
+        if n_vocab is not None and n_vocab <= MAX_SUPPORT:
+            return n_vocab
+        vocab = f"a {n_vocab}-token vocabulary" if n_vocab else "an unknown vocabulary"
+        raise RescoreError(
+            f"top-k {k} on {vocab}: the sampler's support is the whole vocabulary, more than "
+            f"the {MAX_SUPPORT} probabilities a reference returns per token; use top-k "
+            f"between 1 and {MAX_SUPPORT}"
+        )
+    if k > MAX_SUPPORT:
+        raise RescoreError(
+            f"top-k {k} is more than the {MAX_SUPPORT} probabilities a reference returns per "
+            f"token: the reported distribution cannot cover the sampler's support"
+        )
+    return k
+
+
+def completion_body(
+    ids: Sequence[int], sampler: SamplerSettings, n_probs: int, *, post: bool = True
+) -> dict[str, Any]:
+    """A ``/completion`` request for the next-token distribution after `ids`."""
+    return {
+        "prompt": list(ids),
+        "n_predict": 1,
+        "n_probs": n_probs,
+        "post_sampling_probs": post,
+        "samplers": list(SAMPLER_CHAIN),
+        **sampler.request_fields(),
+        "seed": 0,
+        "ignore_eos": True,  # as the engine under test is asked (rescore.sampling)
+        "cache_prompt": True,
+    }
+
+
+def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
+    """token id -> probability (post) or log-probability (raw) of the first generated token's
+    candidates; a RescoreError when the answer carries none."""
+    try:
+        entry = body["completion_probabilities"][0]
+        cands = entry["top_probs" if post else "top_logprobs"]
+        key = "prob" if post else "logprob"
+        out = {int(c["id"]): float(c[key]) for c in cands}
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise RescoreError(
+            "the reference answered without next-token probabilities (is it a llama-server?)"
+        ) from None
+    if not out or any(not math.isfinite(v) for v in out.values() if post):
+        raise RescoreError("the reference returned no usable next-token probabilities")
+    return out
+
+
+class Reference:
+    """An async client of a plain llama-server serving the reference model.
+
+    Answers are cached by prefix (every seed's first token shares the prompt's prefix), and
+    at most `concurrency` requests are in flight (the reference's parallel slots).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        *,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        raw_probs: int = 0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.sampler = sampler
+        self.raw_probs = raw_probs
+        self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency)
+        self._sem = asyncio.Semaphore(concurrency)
+        self._cache: dict[tuple[int, ...], NextToken] = {}
+        self._n_probs = 0
+        self.requests = 0
+
+    async def __aenter__(self) -> Reference:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def prepare(self) -> ModelIdentity:
+        """Refuse a reference that speculates or is not a llama-server; size the requests to
+        the sampler's support. Returns the reference's model identity."""
+        try:
+            slots = await self._client.get("/slots")
+        except ClientError as e:
+            raise RescoreError(
+                f"cannot read the reference's /slots ({e}): specaudit needs it to prove the "
+                "reference does not speculate (start it without --no-slots)"
+            ) from None
+        if not isinstance(slots, list) or not slots:
+            raise RescoreError("the reference's /slots is not a list of slots")
+        if any(isinstance(s, dict) and s.get("speculative") is True for s in slots):
+            raise RescoreError(
+                f"the reference {self.url} speculates (/slots says speculative: true); serve "
+                "the same model without a draft or --spec-type"
+            )
+        try:
+            ident = identity_from_models(await self._client.get("/v1/models"))
+        except ClientError as e:
+            raise RescoreError(f"cannot read the reference's /v1/models: {e}") from None
+        if ident is None:
+            raise RescoreError(f"the reference {self.url} is not a llama-server (no model meta)")
+        self._n_probs = support_size(self.sampler, ident.n_vocab)
+        return ident
+
+    async def tokenize(self, text: str) -> list[int]:
+        """The reference's token ids of `text` (special tokens parsed, BOS added as the
+        server adds it to a text prompt)."""
+        body = await self._client.post(
+            "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+        )
+        try:
+            return [int(t) for t in body["tokens"]]
+        except (KeyError, TypeError, ValueError):
+            raise RescoreError("the reference's /tokenize answered without tokens") from None
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        body = await self._client.post("/detokenize", {"tokens": list(ids)})
+        try:
+            return str(body["content"])
+        except (KeyError, TypeError):
+            raise RescoreError("the reference's /detokenize answered without content") from None
+
+    async def next_token(self, ids: Sequence[int]) -> NextToken:
+        """The processed next-token distribution after `ids` (and the raw top log-probs when
+        `raw_probs` > 0); a RescoreError when it does not cover the sampler's support."""
+        key = tuple(ids)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if not self._n_probs:
+            raise RescoreError("Reference.prepare() must run before next_token()")
+        async with self._sem:
+            body = await self._client.post(
+                "/completion", completion_body(ids, self.sampler, self._n_probs)
+            )
+            self.requests += 1
+            raw: dict[int, float] = {}
+            if self.raw_probs:
+                rb = await self._client.post(
+                    "/completion", completion_body(ids, self.sampler, self.raw_probs, post=False)
+                )
+                self.requests += 1
+                raw = parse_next_token(rb, post=False)
+        probs = parse_next_token(body, post=True)
+        total = sum(probs.values())
+        if total < COVERAGE:
+            raise RescoreError(
+                f"the reference's distribution sums to {total:.6f} over the {len(probs)} "
+                f"candidates it returned: it does not cover the sampler's support"
+            )
+        nt = NextToken(probs=probs, logprobs=raw)
+        self._cache[key] = nt
+        return nt
+
+
+def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
+    """Total-variation distance between two next-token distributions (token id -> prob)."""
+    keys = set(a) | set(b)
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
+
+
+@contextmanager
+def start_reference(
+    model: Path, *, parallel: int = 4, ctx_size: int = 4096, timeout: float = 120.0
+) -> Iterator[str]:
+    """A plain llama-server (no draft, no --spec-type) on `model`, from the cached b11434
+    build: yields its URL and always stops it."""
+    from specaudit import llama
+    from specaudit.llama.server import LlamaServer
+
+    if not model.is_file():
+        raise RescoreError(f"reference model {model} is not a file")
+    bins = llama.ensure()
+    srv = LlamaServer(
+        bins,
+        model,
+        parallel=parallel,
+        ctx_size=ctx_size * parallel,
+        startup_timeout=timeout,
+        name="reference",
+    )
+    with srv:
+        yield srv.url
+
+
+def slots_of(url: str, timeout: float = 10.0) -> int:
+    """How many parallel slots a llama-server has (1 when it does not say)."""
+    try:
+        with Client(url, timeout=timeout) as c:
+            slots = c.get("/slots")
+    except ClientError:
+        return 1
+    return len(slots) if isinstance(slots, list) and slots else 1
+
+
+__all__ = [
+    "COVERAGE",
+    "MAX_SUPPORT",
+    "PROBE_TOLERANCE",
+    "ModelIdentity",
+    "Reference",
+    "completion_body",
+    "identity_from_models",
+    "parse_next_token",
+    "probe_difference",
+    "slots_of",
+    "start_reference",
+    "support_size",
+]

@@ -1,0 +1,331 @@
+"""One re-scored run: sample the engine under test, ask the reference about every sampled
+token's exact prefix, decide.
+
+Why sampling and re-scoring interleave: each seed's prefixes go to the reference as soon as
+its sample is drawn, so the two servers work at once, and a reference that dies mid-run loses
+nothing already drawn (the result keeps every sample and says how many tokens were re-scored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specaudit import validate
+from specaudit.client import AsyncClient, ClientError
+from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
+from specaudit.outcome import Outcome
+from specaudit.rescore import analysis
+from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
+from specaudit.rescore.records import RescoreError, TokenDraw
+from specaudit.rescore.reference import (
+    PROBE_TOLERANCE,
+    ModelIdentity,
+    Reference,
+    identity_from_models,
+    parse_next_token,
+    probe_difference,
+    start_reference,
+)
+from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSampler
+
+ENGINES = ("server", "openai")
+DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
+MAX_TOKENS = 512
+
+# prefix ids -> the draft's favourite next token (when the drafter is known in closed form)
+FavouriteFn = Callable[[Sequence[int]], int | None]
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RescoreRequest:
+    """A re-scored run, checked (`make_request`). Exactly one of `reference_url` and
+    `reference_model` is set: a running plain llama-server, or a model file specaudit serves
+    as one itself."""
+
+    url: str
+    engine: str = "server"
+    reference_url: str | None = None
+    reference_model: Path | None = None
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    prompt_ids: tuple[tuple[int, ...], ...] = ()  # given as ids: no tokenizer involved
+    seeds: int = 200
+    seed_start: int = 1
+    tokens: int = 8
+    sampler: SamplerSettings = REPORT_SAMPLER
+    alpha: float = DEFAULT_ALPHA
+    sequential: bool = False
+    concurrency: int = 4
+    timeout: float = 60.0
+    label: str | None = None
+    model: str = "model"  # the OpenAI model name (--engine openai)
+    favourite: FavouriteFn | None = None
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.prompt_ids) or len(self.prompts)
+
+
+def make_request(
+    url: str,
+    *,
+    engine: str = "server",
+    reference_url: str | None = None,
+    reference_model: Path | str | None = None,
+    prompts: Sequence[str] = (),
+    prompt_ids: Sequence[Sequence[int]] = (),
+    seeds: int = 200,
+    seed_start: int = 1,
+    tokens: int = 8,
+    sampler: SamplerSettings = REPORT_SAMPLER,
+    alpha: float = DEFAULT_ALPHA,
+    sequential: bool = False,
+    concurrency: int = 4,
+    timeout: float = 60.0,
+    label: str | None = None,
+    model: str = "model",
+    favourite: FavouriteFn | None = None,
+) -> RescoreRequest:
+    """Check every input before anything is started (one-line RescoreError, exit 2)."""
+    url = validate.url(url, "--url", RescoreError)
+    if reference_url is not None:
+        reference_url = validate.url(reference_url, "--reference-url", RescoreError)
+    if engine not in ENGINES:
+        raise RescoreError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+    if (reference_url is None) == (reference_model is None):
+        raise RescoreError("give exactly one of --reference-url and --reference-model")
+    ref_model = Path(reference_model) if reference_model is not None else None
+    if ref_model is not None and not ref_model.is_file():
+        raise RescoreError(f"--reference-model {ref_model} is not a file")
+    if prompt_ids and engine != "server":
+        raise RescoreError("prompts as token ids need --engine server")
+    ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
+    texts = tuple(prompts) or (() if ids else DEFAULT_PROMPTS)
+    if any(not p for p in texts) or any(not p for p in ids):
+        raise RescoreError("every prompt must be non-empty")
+    if not 1 <= seeds <= 10_000_000 or seed_start < 0 or seed_start + seeds > validate.MAX_SEED:
+        raise RescoreError("--seeds must be at least 1 and seeds must fit 32 bits")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise RescoreError(f"--tokens must be between 1 and {MAX_TOKENS}")
+    if not 0 < alpha < 0.5:
+        raise RescoreError("--alpha must be between 0 and 0.5")
+    if not 1 <= concurrency <= 256:
+        raise RescoreError("--concurrency must be between 1 and 256")
+    if sampler.temperature <= 0:
+        raise RescoreError(
+            "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
+        )
+    analysis.check_enough(seeds * tokens * (len(ids) or len(texts)), alpha)
+    return RescoreRequest(
+        url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
+        prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
+        tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
+        concurrency=concurrency, timeout=timeout, label=label, model=model, favourite=favourite,
+    )  # fmt: skip
+
+
+@dataclass
+class RescoreResult:
+    """What a re-scored run drew, re-scored and decided. `stats` is None when nothing could
+    be decided (`error` says why); `rescored` < `sampled_tokens` when the reference failed
+    part-way (every sample is still in `samples`)."""
+
+    engine: str
+    reference: str
+    identity: ModelIdentity | None
+    prompts: list[list[int]]
+    seeds: int
+    tokens: int
+    sampler: SamplerSettings
+    samples: list[Sample] = field(default_factory=list)
+    rescored: int = 0
+    stats: RescoreStats | None = None
+    error: str | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    probe_tv: float | None = None
+    total_seconds: float = 0.0
+    reference_requests: int = 0
+    draws: list[TokenDraw] = field(default_factory=list, repr=False)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(len(s.ids) for s in self.samples)
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.stats is None or self.error is not None:
+            return Outcome.NO_DECISION
+        return self.stats.verdict.outcome
+
+    @property
+    def exit_code(self) -> int:
+        return self.outcome.exit_code
+
+
+def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResult:
+    """Run `req`, starting (and always stopping) a reference server when given a model."""
+    if req.reference_model is not None:
+        with start_reference(req.reference_model, parallel=req.concurrency) as url:
+            return asyncio.run(_run(req, url, progress))
+    assert req.reference_url is not None
+    return asyncio.run(_run(req, req.reference_url, progress))
+
+
+async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
+    if req.engine != "server":
+        return None
+    async with AsyncClient(req.url, timeout=req.timeout) as c:
+        try:
+            return identity_from_models(await c.get("/v1/models"))
+        except ClientError as e:
+            raise RescoreError(f"the engine under test: {e}") from None
+
+
+async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> float | None:
+    """TV between engine and reference next-token distributions for the first prompt (its
+    first token always comes from the normal path, never the speculative loop)."""
+    if req.engine != "server":
+        return None
+    from specaudit.rescore.reference import completion_body
+
+    nt = await ref.next_token(ids)
+    async with AsyncClient(req.url, timeout=req.timeout) as c:
+        body = await c.post("/completion", completion_body(ids, req.sampler, len(nt.probs) + 8))
+    return probe_difference(parse_next_token(body, post=True), nt.probs)
+
+
+async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -> RescoreResult:
+    t0 = time.monotonic()
+    async with Reference(
+        ref_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency
+    ) as ref:
+        ident = await ref.prepare()
+        eng_ident = await _engine_identity(req)
+        if eng_ident is not None and (diff := ident.differences(eng_ident)):
+            raise RescoreError(
+                f"engine and reference do not serve the same model: {', '.join(diff)}"
+            )
+        prompts = [list(p) for p in req.prompt_ids] or [await ref.tokenize(t) for t in req.prompts]
+        tv = await _probe(req, ref, prompts[0])
+        if tv is not None and tv > PROBE_TOLERANCE:
+            raise RescoreError(
+                f"engine and reference do not serve the same model: their next-token "
+                f"distributions for the first prompt differ by TV {tv:.3f} "
+                f"(> {PROBE_TOLERANCE})"
+            )
+        sampler: Sampler
+        if req.engine == "server":
+            sampler = ServerSampler(
+                req.url, req.sampler, req.tokens, label=req.label,
+                timeout=req.timeout, concurrency=req.concurrency,
+            )  # fmt: skip
+        else:
+            sampler = OpenAISampler(
+                req.url, req.sampler, req.tokens, ref, model=req.model, label=req.label,
+                timeout=req.timeout, concurrency=req.concurrency,
+            )  # fmt: skip
+        res = RescoreResult(
+            engine=req.label or req.url, reference=ref_url, identity=ident, prompts=prompts,
+            seeds=req.seeds, tokens=req.tokens, sampler=req.sampler, probe_tv=tv,
+        )  # fmt: skip
+        try:
+            await _sample_and_rescore(req, sampler, ref, prompts, res, progress)
+        finally:
+            await sampler.aclose()
+            res.reference_requests = ref.requests
+    res.total_seconds = time.monotonic() - t0
+    if res.error is None:
+        res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
+    return res
+
+
+async def _sample_and_rescore(
+    req: RescoreRequest,
+    sampler: Sampler,
+    ref: Reference,
+    prompts: list[list[int]],
+    res: RescoreResult,
+    progress: ProgressFn | None,
+) -> None:
+    seeds = range(req.seed_start, req.seed_start + req.seeds)
+    jobs = [(s, p) for s in seeds for p in range(len(prompts))]
+    sem = asyncio.Semaphore(req.concurrency)
+    samples: dict[tuple[int, int], Sample] = {}
+    draws: dict[tuple[int, int], list[TokenDraw]] = {}
+    ref_failed: list[str] = []
+    eng_failed: list[str] = []
+    done = [0]
+
+    async def one(seed: int, p: int) -> None:
+        if eng_failed:
+            return
+        async with sem:
+            try:
+                s = await sampler.sample(p, prompts[p], seed)
+            except (ClientError, RescoreError) as e:
+                eng_failed.append(str(e))
+                return
+        samples[(seed, p)] = s
+        if ref_failed:
+            return
+        out = []
+        try:
+            for i, tok in enumerate(s.ids):
+                prefix = [*prompts[p], *s.ids[:i]]
+                nt = await ref.next_token(prefix)
+                fav = req.favourite(prefix) if req.favourite else None
+                key = f"{p}:" + ",".join(map(str, s.ids[:i]))
+                out.append(TokenDraw(seed, p, i, key, tok, nt, draft_favourite=fav))
+        except (ClientError, RescoreError) as e:
+            if not ref_failed:
+                ref_failed.append(str(e))
+            return
+        draws[(seed, p)] = out
+        done[0] += 1
+        if progress:
+            progress(done[0], len(jobs))
+
+    tasks = [asyncio.ensure_future(one(s, p)) for s, p in jobs]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        res.samples = [samples[k] for k in sorted(samples)]
+    res.draws = [d for k in sorted(draws) for d in draws[k]]
+    res.rescored = len(res.draws)
+    dr = [s.drafted for s in res.samples if s.drafted is not None]
+    ac = [s.accepted for s in res.samples if s.accepted is not None]
+    res.drafted = sum(dr) if dr else None
+    res.accepted = sum(ac) if ac else None
+    if eng_failed:
+        res.error = eng_failed[0]
+        if len(res.samples) < len(jobs):
+            res.error += f" (after {len(res.samples)} of {len(jobs)} samples)"
+    elif ref_failed:
+        res.error = (
+            f"the reference failed after {res.rescored} of {res.sampled_tokens} sampled tokens "
+            f"were re-scored: {ref_failed[0]}"
+        )
+
+
+def with_seeds(req: RescoreRequest, seeds: int) -> RescoreRequest:
+    return dataclasses.replace(req, seeds=seeds)
+
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "ENGINES",
+    "RescoreRequest",
+    "RescoreResult",
+    "make_request",
+    "run",
+    "with_seeds",
+]

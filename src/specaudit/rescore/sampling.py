@@ -1,0 +1,183 @@
+"""Drawing samples from the engine under test, as token ids.
+
+Why token ids: the reference is asked about the exact prefix the engine sampled from, so the
+prefix must never be re-derived from text unless the text provably round-trips. A
+llama-server (any of its verification paths) takes the prompt as ids and returns the
+generated ids (``return_tokens``); an OpenAI-compatible server returns text, which is turned
+into ids by the reference's tokenizer and refused unless it round-trips exactly.
+
+Both engine and reference are asked with ``ignore_eos``: a generation that stops early would
+drop the draw of the end token and bias what is tested, so end tokens are masked on both sides
+(the same processed distribution, just without them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specaudit.client import AsyncClient, ClientError
+from specaudit.distribution.engines import SAMPLER_CHAIN
+from specaudit.fixtures import SamplerSettings
+from specaudit.rescore.records import RescoreError
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One seed's generation: the generated token ids and the engine's draft counts (None
+    where it reports none)."""
+
+    seed: int
+    prompt: int
+    ids: tuple[int, ...]
+    drafted: int | None = None
+    accepted: int | None = None
+
+
+class Sampler(Protocol):
+    """An engine under test: one seeded generation per call."""
+
+    label: str
+
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _int(x: Any) -> int | None:
+    return int(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+class ServerSampler:
+    """A llama-server's native ``/completion``, prompt as token ids, ids back."""
+
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        tokens: int,
+        *,
+        label: str | None = None,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.label = label or self.url
+        self.tokens = tokens
+        self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency)
+        self._body: dict[str, Any] = {
+            "n_predict": tokens,
+            "samplers": list(SAMPLER_CHAIN),
+            **sampler.request_fields(),
+            "ignore_eos": True,
+            "return_tokens": True,
+            "cache_prompt": False,
+        }
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+        body = await self._client.post(
+            "/completion", {**self._body, "prompt": list(prompt_ids), "seed": seed}
+        )
+        try:
+            ids = tuple(int(t) for t in body["tokens"])
+        except (KeyError, TypeError, ValueError):
+            raise RescoreError(
+                f"{self.label} returned no token ids (return_tokens): use --engine openai for a "
+                "server that only returns text"
+            ) from None
+        if len(ids) != self.tokens:
+            raise RescoreError(
+                f"{self.label} returned {len(ids)} tokens for seed {seed}, asked for {self.tokens}"
+            )
+        t = body.get("timings") if isinstance(body, dict) else None
+        t = t if isinstance(t, dict) else {}
+        return Sample(seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")))
+
+
+class Tokenizer(Protocol):
+    async def tokenize(self, text: str) -> list[int]: ...
+
+    async def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+class OpenAISampler:
+    """An OpenAI-compatible ``/v1/completions`` that returns text only (llama-cpp-python, a
+    hosted API): the prompt is sent as the text that its ids detokenize to, and the completion
+    is turned into ids by the reference's tokenizer, refused unless both round-trip exactly."""
+
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        tokens: int,
+        tokenizer: Tokenizer,
+        *,
+        model: str = "model",
+        label: str | None = None,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        api_key: str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.label = label or self.url
+        self.tokens = tokens
+        self.tokenizer = tokenizer
+        self._client = AsyncClient(
+            self.url, timeout=timeout, max_connections=concurrency, api_key=api_key
+        )
+        self._body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": tokens,
+            "samplers": list(SAMPLER_CHAIN),
+            **sampler.request_fields(),
+            "ignore_eos": True,
+        }
+        self._texts: dict[int, str] = {}
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+        text = self._texts.get(prompt)
+        if text is None:
+            text = await self.tokenizer.detokenize(prompt_ids)
+            self._texts[prompt] = text
+        try:
+            body = await self._client.post(
+                "/v1/completions", {**self._body, "prompt": text, "seed": seed}
+            )
+            completion = str(body["choices"][0]["text"])
+        except (KeyError, IndexError, TypeError):
+            raise RescoreError(f"{self.label} answered without choices[0].text") from None
+        except ClientError:
+            raise
+        ids = await self.tokenizer.tokenize(text + completion)
+        n = len(prompt_ids)
+        gen = tuple(ids[n:])
+        if (
+            tuple(ids[:n]) != tuple(prompt_ids)
+            or len(gen) != self.tokens
+            or await self.tokenizer.detokenize(gen) != completion
+        ):
+            raise RescoreError(
+                f"{self.label}'s completion for seed {seed} does not round-trip through the "
+                f"reference's tokenizer exactly ({len(gen)} tokens for {self.tokens} generated): "
+                "its token ids cannot be recovered from text; use an engine that returns ids"
+            )
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if isinstance(usage, dict) and _int(usage.get("completion_tokens")) not in (
+            None,
+            self.tokens,
+        ):
+            raise RescoreError(
+                f"{self.label} says it generated {usage.get('completion_tokens')} tokens for "
+                f"seed {seed}; the text re-tokenises to {self.tokens}: not round-trip exact"
+            )
+        return Sample(seed, prompt, gen)
+
+
+__all__ = ["OpenAISampler", "Sample", "Sampler", "ServerSampler", "Tokenizer"]

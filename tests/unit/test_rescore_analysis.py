@@ -1,0 +1,127 @@
+"""The re-scored test's statistics on hand-made draws: right size under the null, power
+against the biases speculation makes, refusals when it cannot decide."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from specaudit.rescore import analysis
+from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.stats import Verdict
+
+
+def _draws(
+    n: int, bias: float = 0.0, *, vocab: int = 6, seed: int = 0, shared: bool = False
+) -> list[TokenDraw]:
+    """n draws, each from its own random distribution p (or one shared p); `bias` moves that
+    much probability to the argmax (the draft's favourite) in what is actually sampled."""
+    rng = np.random.default_rng(seed)
+    one = rng.dirichlet(np.ones(vocab))
+    out = []
+    for i in range(n):
+        p = one if shared else rng.dirichlet(np.ones(vocab))
+        fav = int(np.argmax(p))
+        q = (1 - bias) * p
+        q[fav] += bias
+        tok = int(rng.choice(vocab, p=q))
+        key = "same" if shared else str(i)
+        out.append(TokenDraw(i, 0, 0, key, tok, NextToken(probs=dict(enumerate(p.tolist())))))
+    return out
+
+
+def test_pit_values_are_uniform_when_tokens_follow_the_reference() -> None:
+    res = analysis.analyse(_draws(2000, seed=3))
+    assert res.verdict is Verdict.PRESERVED
+    assert stats.kstest(res.u, "uniform").pvalue > 0.001
+    assert res.impossible == 0
+
+
+def test_false_alarm_rate_is_within_alpha() -> None:
+    """300 simulated null runs: more alarms than a Binomial(300, alpha) makes 1 time in 1000
+    means the test is mis-sized."""
+    runs, alpha = 300, 0.01
+    alarms, (lo, _hi) = analysis.null_false_alarms(runs, 240, alpha=alpha, seed=11)
+    assert alarms <= stats.binom.ppf(0.999, runs, alpha)
+    assert lo <= alpha
+
+
+def test_a_bias_toward_the_draft_favourite_is_broken() -> None:
+    res = analysis.analyse(_draws(1000, bias=0.2, seed=5))
+    assert res.verdict is Verdict.BROKEN
+    assert res.directed_p < 1e-4
+    assert res.favourite_rate > res.favourite_expected
+
+
+def test_the_named_draft_favourite_is_used_over_the_argmax() -> None:
+    """A bias toward a token that is not the reference's argmax is seen when the draft's
+    favourite is given."""
+    rng = np.random.default_rng(2)
+    draws = []
+    for i in range(800):
+        p = np.array([0.5, 0.3, 0.2])
+        q = np.array([0.4, 0.4, 0.2])  # mass moved to token 1, the draft's favourite
+        tok = int(rng.choice(3, p=q))
+        nt = NextToken(probs=dict(enumerate(p.tolist())))
+        draws.append(TokenDraw(i, 0, 0, str(i), tok, nt, draft_favourite=1))
+    res = analysis.analyse(draws)
+    assert res.verdict is Verdict.BROKEN and res.directed_p < 1e-4
+
+
+def test_an_impossible_token_is_broken() -> None:
+    draws = _draws(400, seed=1)
+    d = draws[7]
+    draws[7] = TokenDraw(d.seed, 0, 0, d.prefix_key, 99, d.ref)
+    res = analysis.analyse(draws)
+    assert res.verdict is Verdict.BROKEN and res.impossible == 1
+    assert "probability 0" in res.reason
+
+
+def test_repeated_prefixes_are_g_tested() -> None:
+    """One shared prefix whose top two tokens are swapped: PIT order and favourite can miss
+    a swap among non-favourites, the per-prefix G-test does not."""
+    rng = np.random.default_rng(4)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    q = np.array([0.4, 0.1, 0.2, 0.3])
+    nt = NextToken(probs=dict(enumerate(p.tolist())))
+    draws = [TokenDraw(i, 0, 0, "k", int(rng.choice(4, p=q)), nt) for i in range(600)]
+    res = analysis.analyse(draws)
+    assert res.g_prefixes == 1
+    assert res.g_p < 1e-6 and res.verdict is Verdict.BROKEN
+
+
+def test_the_e_process_stays_small_under_the_null_and_grows_under_bias() -> None:
+    null = analysis.analyse(_draws(1500, seed=8), sequential=True)
+    assert null.e_value < 1 / null.alpha and null.verdict is Verdict.PRESERVED
+    bad = analysis.analyse(_draws(1500, bias=0.15, seed=8), sequential=True)
+    assert bad.e_value >= 1 / bad.alpha and bad.verdict is Verdict.BROKEN
+
+
+def test_preserved_states_its_power_in_words() -> None:
+    res = analysis.analyse(_draws(1000, seed=9))
+    assert res.verdict is Verdict.PRESERVED
+    assert "would have been caught" in res.power
+    assert 0 < res.ks_detectable < 0.1 and 0 < res.directed_detectable < 0.1
+
+
+def test_too_few_tokens_are_refused() -> None:
+    with pytest.raises(RescoreError, match="too few to decide"):
+        analysis.check_enough(30)
+    analysis.check_enough(400)
+
+
+def test_poisson_binomial_tail_is_exact() -> None:
+    ps = np.full(50, 0.3)
+    for k in (0, 10, 15, 25, 50):
+        assert analysis.poisson_binomial_sf(k, ps) == pytest.approx(
+            stats.binom.sf(k - 1, 50, 0.3), rel=1e-9, abs=1e-15
+        )
+
+
+def test_pit_orders_the_favourite_first() -> None:
+    nt = NextToken(probs={5: 0.2, 7: 0.5, 9: 0.3})
+    d = TokenDraw(1, 0, 0, "k", 9, nt, draft_favourite=9)
+    assert analysis.order(nt, 9) == [9, 7, 5]
+    assert analysis.pit(d, 0.5) == pytest.approx(0.15)
+    assert analysis.pit(TokenDraw(1, 0, 0, "k", 5, nt, draft_favourite=9), 1.0) == 1.0
