@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "llama": "specaudit.cli.llama_cmd:command",
     "matrix": "specaudit.cli.matrix_cmd:command",
     "proxy": "specaudit.cli.proxy_cmd:command",
+    "rescore": "specaudit.cli.rescore_cmd:command",
 }
 
 # The group's --help lists these without importing the commands. Each is the first sentence of
@@ -57,6 +58,7 @@ SHORT_HELP: dict[str, str] = {
     "matrix": "Run placeholders (check), /props vs /slots and dist of the speculating server, "
     "stock and patched, on several llama.cpp builds, and print one table.",
     "proxy": "Route logprobs requests to a plain llama-server and the rest to a speculating one.",
+    "rescore": "Re-score any model's samples against a plain reference of the same model.",
 }
 
 

@@ -1,0 +1,95 @@
+"""A re-scored run for people (Markdown, a PIT histogram) and machines (JSON).
+
+Why apart from the runner: the audit and the CLI render the same result; the library returns
+the typed result and never prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specaudit.report import md_table, to_jsonable
+from specaudit.rescore.runner import RescoreResult
+
+
+def to_json(res: RescoreResult) -> dict[str, Any]:
+    """Everything but the per-token reference answers (which can be large): the samples'
+    token ids are kept, so a partial run loses nothing it drew."""
+    d = {
+        "engine": res.engine,
+        "reference": res.reference,
+        "identity": to_jsonable(res.identity),
+        "prompts": res.prompts,
+        "seeds": res.seeds,
+        "tokens": res.tokens,
+        "sampler": to_jsonable(res.sampler),
+        "sampled_tokens": res.sampled_tokens,
+        "rescored": res.rescored,
+        "verdict": res.stats.verdict.value if res.stats else None,
+        "outcome": res.outcome.value,
+        "error": res.error,
+        "drafted": res.drafted,
+        "accepted": res.accepted,
+        "probe_tv": res.probe_tv,
+        "total_seconds": res.total_seconds,
+        "reference_requests": res.reference_requests,
+        "stats": to_jsonable(res.stats),
+        "samples": [to_jsonable(s) for s in res.samples],
+    }
+    return d
+
+
+def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
+    s = res.stats
+    return [
+        ("engine", res.engine),
+        ("reference", res.reference),
+        ("verdict", s.verdict.value if s else f"no decision: {res.error}"),
+        ("samples", f"{len(res.samples)} ({res.seeds} seeds x {len(res.prompts)} prompts)"),
+        ("tokens re-scored", f"{res.rescored} of {res.sampled_tokens}"),
+        ("drafted / accepted", f"{res.drafted} / {res.accepted}"),
+        ("reference requests", res.reference_requests),
+        ("KS p (PIT uniform)", s.ks_p if s else None),
+        ("favourite sampled / expected", f"{s.favourite_rate:.3f} / {s.favourite_expected:.3f}")
+        if s
+        else ("favourite", None),
+        ("favourite p", s.directed_p if s else None),
+        ("repeated prefixes G-tested", f"{s.g_prefixes} (p = {s.g_p:.3g})" if s else None),
+        ("impossible tokens", s.impossible if s else None),
+        ("e-value (anytime-valid)", s.e_value if s else None),
+        ("seconds", round(res.total_seconds, 1)),
+    ]
+
+
+def markdown(res: RescoreResult) -> str:
+    lines = [md_table(("", ""), rows(res))]
+    if res.stats:
+        lines += ["", f"**{res.stats.verdict.value}**: {res.stats.reason}.", ""]
+        lines.append(f"Power: {res.stats.power}.")
+    if res.error:
+        lines += ["", f"error: {res.error}"]
+    return "\n".join(lines)
+
+
+def plot_pit(res: RescoreResult, path: Path, title: str | None = None) -> Path:
+    """A histogram of the PIT values against the flat line they must follow: a bar at the
+    left is the draft's favourite sampled too often."""
+    from specaudit import plots
+
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    u = res.stats.u if res.stats else []
+    bins = 20
+    ax.hist(u, bins=bins, range=(0, 1), color=plots.SPEC_COLOR, edgecolor="white")
+    if u:
+        ax.axhline(len(u) / bins, color=plots.PLAIN_COLOR, linestyle="--", label="uniform")
+        ax.legend(loc="upper right")
+    verdict = res.stats.verdict.value if res.stats else "no decision"
+    ax.set_title(title or f"{res.engine}: {verdict}", fontsize=10)
+    ax.set_xlabel("PIT value u (left: the draft's favourite token)")
+    ax.set_ylabel("tokens")
+    return plots.save(fig, path)
+
+
+__all__ = ["markdown", "plot_pit", "rows", "to_json"]
