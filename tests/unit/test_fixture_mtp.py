@@ -17,6 +17,7 @@ from specaudit import fixtures as fx
 from specaudit.fixtures.definitions import MTP_HIDDEN_WEIGHT
 from specaudit.fixtures.reference import mtp_head, mtp_target_hidden
 from specaudit.fixtures.specs import _random_table
+from specaudit.fixtures.truth import mtp_greedy_draft
 
 R = fx.REPORT_SAMPLER
 SPEC = fx.spec_for_kind("mtp")
@@ -182,3 +183,30 @@ def test_spec_validation_of_the_hidden_table() -> None:
         dataclasses.replace(fx.default_spec(), draft_hidden=SPEC.draft_hidden)
     with pytest.raises(ValueError, match="n_embd"):
         dataclasses.replace(SPEC, config=fx.ModelConfig(n_embd=16))
+
+
+def test_greedy_counts_follow_the_servers_draft_schedule() -> None:
+    """Four tokens after the prompt: the first from the prompt, then a draft of at most
+    n_remaining - 1 tokens; a sample that follows the drafts accepts them all."""
+    d = mtp_greedy_draft(SPEC, SPEC.prompt[-1], "f", 2)
+    assert fx.mtp_greedy_counts(SPEC, SPEC.prompt, "f" + d + "a") == (2, 2)
+    miss = "h" if d[0] != "h" else "g"
+    # first draft missed: one more round of one token after the second
+    drafted, accepted = fx.mtp_greedy_counts(SPEC, SPEC.prompt, "f" + miss + "aa")
+    assert drafted == 3 and accepted in (0, 1)
+    miss2 = "a" if d[1] != "a" else "b"
+    assert fx.mtp_greedy_counts(SPEC, SPEC.prompt, "f" + d[0] + miss2 + "a") == (2, 1)
+    assert fx.mtp_greedy_counts(SPEC, SPEC.prompt, "fg") == (0, 0)  # n_remaining - 1 = 0
+    with pytest.raises(ValueError, match="no MTP layer"):
+        mtp_greedy_draft(fx.default_spec(), "c", "f", 1)
+
+
+def test_greedy_drafts_chain_the_heads_own_hidden_state() -> None:
+    """The second draft step is fed the first draft with the head's own h_nextn (not the
+    target's hidden state of the token fed): it differs from a first step after the same
+    pair of letters."""
+    differ = 0
+    for p, q in itertools.product(LETTERS, repeat=2):
+        chained = mtp_greedy_draft(SPEC, p, q, 2)
+        differ += chained[1] != mtp_greedy_draft(SPEC, q, chained[0], 1)
+    assert differ > 0
