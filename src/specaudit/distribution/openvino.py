@@ -277,7 +277,7 @@ def _truths(
     out = []
     prefix = ""
     for t in ids:
-        if not 0 <= t < len(spec.letters):
+        if not 0 <= t < spec.n_vocab:
             break  # after a special token the fixture defines no prefix
         tok = spec.tokens[t]
         if kind == "raw":
@@ -287,6 +287,8 @@ def _truths(
                 tok
             ]
         out.append(p)
+        if tok in fixtures.SPECIAL_TOKENS:
+            break  # scored (the closed form gives it its probability), nothing after it is
         prefix += tok
     return out
 
@@ -363,6 +365,7 @@ class Fidelity:
     counts: dict[str, int]
     max_error_correct: float  # the largest |error| among the real-and-correct values
     wrong: list[tuple[int, int, str, float, float]] = field(default_factory=list)
+    unscored: int = 0  # tokens after a special token (EOS...): the fixture defines no prefix
 
     @property
     def tokens(self) -> int:
@@ -414,7 +417,8 @@ def score_outputs(
                 worst = max(worst, abs(got - math.log(p)))
             elif c == "real-wrong" and got is not None and len(wrong) < 20:
                 wrong.append((seed, i + 1, spec.tokens[o.ids[i]], got, _log(p)))
-    return Fidelity(path, mode, len(outputs), counts, worst, wrong)
+    unscored = sum(len(o.ids) for o in outputs) - sum(counts.values())
+    return Fidelity(path, mode, len(outputs), counts, worst, wrong, unscored)
 
 
 def fidelity(
