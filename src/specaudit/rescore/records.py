@@ -8,7 +8,7 @@ between them, so each can be tested on hand-made records.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specaudit.errors import SpecauditError
@@ -54,4 +54,7 @@ class TokenDraw:
     draft_favourite: int | None = None
 
 
-__all__ = ["NextToken", "RescoreError", "TokenDraw"]
+# prefix ids -> the draft's favourite next token, where the drafter is known (a fixture's)
+FavouriteFn = Callable[[Sequence[int]], int | None]
+
+__all__ = ["FavouriteFn", "NextToken", "RescoreError", "TokenDraw"]

@@ -174,7 +174,8 @@ class Reference:
         """Refuse a reference that speculates or is not a llama-server; size the requests to
         the sampler's support. Returns the reference's model identity."""
         try:
-            slots = await self._client.get("/slots")
+            body = await self._client.get("/slots")
+            slots = body.get("_list") if isinstance(body, dict) else body
         except ClientError as e:
             raise RescoreError(
                 f"cannot read the reference's /slots ({e}): specaudit needs it to prove the "
@@ -281,9 +282,10 @@ def slots_of(url: str, timeout: float = 10.0) -> int:
     """How many parallel slots a llama-server has (1 when it does not say)."""
     try:
         with Client(url, timeout=timeout) as c:
-            slots = c.get("/slots")
+            body = c.get("/slots")
     except ClientError:
         return 1
+    slots = body.get("_list") if isinstance(body, dict) else body
     return len(slots) if isinstance(slots, list) and slots else 1
 
 

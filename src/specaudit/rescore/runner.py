@@ -21,7 +21,7 @@ from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.outcome import Outcome
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.records import RescoreError, TokenDraw
+from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
 from specaudit.rescore.reference import (
     PROBE_TOLERANCE,
     ModelIdentity,
@@ -37,8 +37,6 @@ ENGINES = ("server", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
 MAX_TOKENS = 512
 
-# prefix ids -> the draft's favourite next token (when the drafter is known in closed form)
-FavouriteFn = Callable[[Sequence[int]], int | None]
 ProgressFn = Callable[[int, int], None]
 
 

@@ -132,8 +132,12 @@ class OpenAISampler:
         self._body: dict[str, Any] = {
             "model": model,
             "max_tokens": tokens,
-            "samplers": list(SAMPLER_CHAIN),
+            "samplers": list(SAMPLER_CHAIN),  # llama-server
             **sampler.request_fields(),
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repeat_penalty": 1.0,  # llama-server, llama-cpp-python
+            "repetition_penalty": 1.0,  # vLLM, SGLang
             "ignore_eos": True,
         }
         self._texts: dict[int, str] = {}

@@ -1,0 +1,164 @@
+"""The re-scored test against real llama-servers: the fixture (where the closed form
+cross-checks the reference) and Gemma 3 270M speculating with itself as its draft.
+
+One server per role for the session (conftest); the references are plain servers of the same
+model file.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from specaudit import distribution, fixtures, llama
+from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
+from specaudit.llama.patches import resolve
+from specaudit.llama.server import LlamaServer
+from specaudit.rescore import fixture as fixture_ref
+from specaudit.rescore import runner
+from specaudit.rescore.records import RescoreError
+from specaudit.rescore.reference import Reference
+from specaudit.stats import Verdict
+
+GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
+
+
+def _fixture_request(
+    url: str, ref_url: str, fs: fixtures.FixtureSet, seeds: int = 300
+) -> runner.RescoreRequest:
+    spec = fs.spec
+    return runner.make_request(
+        url,
+        reference_url=ref_url,
+        prompt_ids=[spec.tokenize(spec.prompt)],
+        seeds=seeds,
+        tokens=4,
+        sampler=REPORT_SAMPLER,
+        favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
+    )
+
+
+def test_the_reference_server_answers_the_closed_form(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+) -> None:
+    """The plain fixture server, asked as a reference, gives the exact processed distribution
+    for every prefix we ask (the cross-check of the reference against a truth no server
+    computes)."""
+    import asyncio
+
+    spec = fs_spec = fixture_set.spec
+    ref_url = server("fixture-plain").url
+    prefixes = [spec.tokenize(spec.prompt + tail) for tail in ("", "a", "bc", "dd", "cab")]
+
+    async def ask() -> None:
+        async with Reference(ref_url, REPORT_SAMPLER) as ref:
+            await ref.prepare()
+            for ids in prefixes:
+                got = await ref.next_token(ids)
+                want = fixture_ref.closed_form(fs_spec, ids, REPORT_SAMPLER)
+                assert set(got.probs) == set(want.probs)
+                for t, p in want.probs.items():
+                    assert got.probs[t] == pytest.approx(p, abs=1e-5)
+
+    asyncio.run(ask())
+
+
+def test_rejection_sampling_on_the_fixture_is_preserved(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+) -> None:
+    eng = server("fixture-spec-rejection")
+    res = runner.run(_fixture_request(eng.url, server("fixture-plain").url, fixture_set))
+    assert res.error is None and res.stats is not None
+    assert res.rescored == res.sampled_tokens == 1200
+    assert res.drafted and res.drafted > 0 and res.accepted is not None  # it speculated
+    assert res.stats.verdict is Verdict.PRESERVED, res.stats.reason
+    assert res.stats.g_prefixes >= 1  # the first position's prefix repeats 300 times
+
+
+def test_a_rejection_sampler_mutant_is_broken_by_rescoring(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+) -> None:
+    """argmax-proposal (the draft proposes its argmax but reports its sampled q): the
+    re-scored test catches it without the fixture's closed form."""
+    bins = llama.ensure(patches=(resolve("mutants/argmax-proposal"),))
+    with distribution.spawn_server(
+        bins, fixture_set, draft=True, draft_sampling="probabilistic"
+    ) as srv:
+        res = runner.run(_fixture_request(srv.url, server("fixture-plain").url, fixture_set))
+    assert res.stats is not None and res.stats.verdict is Verdict.BROKEN, res.stats
+    assert res.stats.favourite_rate > res.stats.favourite_expected
+
+
+def test_gemma_speculating_with_itself_is_preserved(
+    server: Callable[..., Any],
+) -> None:
+    eng, ref = server("gemma-spec"), server("gemma-plain")
+    req = runner.make_request(
+        eng.url,
+        reference_url=ref.url,
+        prompts=runner.DEFAULT_PROMPTS,
+        seeds=40,
+        tokens=6,
+        sampler=GEMMA_SAMPLER,
+    )
+    res = runner.run(req)
+    assert res.error is None and res.stats is not None
+    assert res.rescored == res.sampled_tokens == 720
+    assert res.drafted and res.drafted > 0
+    assert res.probe_tv is not None and res.probe_tv < 0.02
+    assert res.stats.verdict is Verdict.PRESERVED, res.stats.reason
+    assert res.identity is not None and res.identity.n_vocab == 262144
+
+
+def test_a_reference_that_speculates_is_refused(server: Callable[..., Any]) -> None:
+    req = runner.make_request(
+        server("fixture-plain").url, reference_url=server("fixture-spec").url, seeds=100
+    )
+    with pytest.raises(RescoreError, match="speculates"):
+        runner.run(req)
+
+
+def test_a_different_model_is_refused(server: Callable[..., Any]) -> None:
+    req = runner.make_request(
+        server("gemma-plain").url, reference_url=server("fixture-plain").url, seeds=100
+    )
+    with pytest.raises(RescoreError, match="do not serve the same model"):
+        runner.run(req)
+
+
+def test_top_k_zero_on_gemma_is_refused(server: Callable[..., Any]) -> None:
+    req = runner.make_request(
+        server("gemma-spec").url,
+        reference_url=server("gemma-plain").url,
+        seeds=100,
+        sampler=SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0),
+    )
+    with pytest.raises(RescoreError, match="262144-token vocabulary"):
+        runner.run(req)
+
+
+def test_a_reference_dying_mid_run_keeps_every_sample(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+) -> None:
+    """The reference is stopped after a few samples: every sample already drawn stays in the
+    result, which says how far re-scoring got and decides nothing."""
+    bins = llama.ensure()
+    ref = LlamaServer(bins, fixture_set.target, parallel=1, name="reference")
+    stopped = threading.Event()
+
+    def progress(done: int, _total: int) -> None:
+        if done >= 10 and not stopped.is_set():
+            stopped.set()
+            ref.stop()
+
+    with ref:
+        req = _fixture_request(server("fixture-spec").url, ref.url, fixture_set, seeds=100)
+        res = runner.run(req, progress=progress)
+    assert stopped.is_set()
+    assert res.error is not None and "reference failed after" in res.error
+    assert res.stats is None and res.exit_code == 2
+    assert len(res.samples) == 100  # sampling went on: nothing drawn is lost
+    assert 40 <= res.rescored < res.sampled_tokens

@@ -1,0 +1,165 @@
+"""The re-scored run's refusals and parsing on fake servers: what a real llama-server cannot
+play (a server without /slots, one that returns no ids, text that does not round-trip, an
+answer that does not cover the support) is one RescoreError line, never a verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+import fakes
+from specaudit.fixtures import SamplerSettings
+from specaudit.rescore import reference as refmod
+from specaudit.rescore import runner
+from specaudit.rescore.records import RescoreError
+from specaudit.rescore.sampling import OpenAISampler, ServerSampler
+
+SAMPLER = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0)
+META = {"data": [{"id": "m", "meta": {"n_vocab": 11, "n_params": 100, "size": 10}}]}
+
+
+def _json_server(routes: dict[str, Any]) -> Any:
+    async def handler(req: web.BaseRequest) -> web.StreamResponse:
+        await req.read()
+        if req.path not in routes:
+            return web.json_response({"error": "not supported"}, status=501)
+        return web.json_response(routes[req.path])
+
+    return handler
+
+
+def _prepare(routes: dict[str, Any], sampler: SamplerSettings = SAMPLER) -> refmod.ModelIdentity:
+    async def go() -> refmod.ModelIdentity:
+        with fakes.serve(_json_server(routes)) as s:
+            async with refmod.Reference(s.url, sampler) as ref:
+                return await ref.prepare()
+
+    return asyncio.run(go())
+
+
+def test_a_speculating_reference_is_refused() -> None:
+    routes = {"/slots": [{"id": 0, "speculative": True}], "/v1/models": META}
+    with pytest.raises(RescoreError, match="speculates"):
+        _prepare(routes)
+
+
+def test_a_reference_without_slots_is_refused() -> None:
+    with pytest.raises(RescoreError, match="prove the reference does not speculate"):
+        _prepare({"/v1/models": META})
+
+
+def test_a_reference_that_is_not_a_llama_server_is_refused() -> None:
+    with pytest.raises(RescoreError, match="not a llama-server"):
+        _prepare({"/slots": [{"id": 0}], "/v1/models": {"data": [{"id": "x"}]}})
+
+
+def test_top_k_beyond_what_a_reference_returns_is_refused() -> None:
+    with pytest.raises(RescoreError, match="cannot cover the sampler's support"):
+        refmod.support_size(SamplerSettings(top_k=5000, temperature=1.0), 262144)
+    with pytest.raises(RescoreError, match="whole vocabulary"):
+        refmod.support_size(SamplerSettings(top_k=0, temperature=1.0), 262144)
+    assert refmod.support_size(SamplerSettings(top_k=0, temperature=1.0), 11) == 11
+    assert refmod.support_size(SamplerSettings(top_k=40, temperature=1.0), 262144) == 40
+
+
+def test_a_distribution_that_does_not_cover_the_support_is_refused() -> None:
+    routes = {
+        "/slots": [{"id": 0, "speculative": False}],
+        "/v1/models": META,
+        "/completion": {
+            "completion_probabilities": [
+                {"top_probs": [{"id": 1, "prob": 0.6}, {"id": 2, "prob": 0.3}]}
+            ]
+        },
+    }
+
+    async def go() -> None:
+        with fakes.serve(_json_server(routes)) as s:
+            async with refmod.Reference(s.url, SAMPLER) as ref:
+                await ref.prepare()
+                await ref.next_token([1, 2])
+
+    with pytest.raises(RescoreError, match="does not cover the sampler's support"):
+        asyncio.run(go())
+
+
+def test_an_engine_that_returns_no_token_ids_is_refused() -> None:
+    routes = {"/completion": {"content": "abc"}}
+
+    async def go() -> None:
+        with fakes.serve(_json_server(routes)) as s:
+            smp = ServerSampler(s.url, SAMPLER, 3)
+            try:
+                await smp.sample(0, [1, 2], 7)
+            finally:
+                await smp.aclose()
+
+    with pytest.raises(RescoreError, match="no token ids"):
+        asyncio.run(go())
+
+
+class _Tokenizer:
+    """Characters are tokens, except that "ab" merges into one: text ending in "a" followed
+    by a completion starting with "b" does not round-trip."""
+
+    async def tokenize(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            if text[i : i + 2] == "ab":
+                out.append(1000)
+                i += 2
+            else:
+                out.append(ord(text[i]))
+                i += 1
+        return out
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        return "".join("ab" if t == 1000 else chr(t) for t in ids)
+
+
+def _openai_sample(completion: str) -> Any:
+    seen: list[dict[str, Any]] = []
+
+    async def handler(req: web.BaseRequest) -> web.StreamResponse:
+        seen.append(json.loads(await req.read()))
+        return web.json_response({"choices": [{"text": completion}]})
+
+    async def go() -> Any:
+        with fakes.serve(handler) as s:
+            smp = OpenAISampler(s.url, SAMPLER, 3, _Tokenizer())
+            try:
+                return await smp.sample(0, [ord("x"), ord("a")], 5)
+            finally:
+                await smp.aclose()
+
+    return asyncio.run(go()), seen
+
+
+def test_text_that_round_trips_gives_ids() -> None:
+    sample, seen = _openai_sample("cde")
+    assert sample.ids == (ord("c"), ord("d"), ord("e"))
+    assert seen[0]["prompt"] == "xa" and seen[0]["seed"] == 5
+    assert seen[0]["repeat_penalty"] == 1.0 and seen[0]["top_k"] == 3
+
+
+def test_text_that_does_not_round_trip_is_refused() -> None:
+    with pytest.raises(RescoreError, match="does not round-trip"):
+        _openai_sample("bcd")
+
+
+def test_bad_requests_are_one_line_errors() -> None:
+    with pytest.raises(RescoreError, match="exactly one of"):
+        runner.make_request("http://127.0.0.1:9", seeds=100)
+    with pytest.raises(RescoreError, match="temperature 0"):
+        runner.make_request(
+            "http://127.0.0.1:9",
+            reference_url="http://127.0.0.1:8",
+            sampler=SamplerSettings(top_k=3, temperature=0.0),
+        )
+    with pytest.raises(RescoreError, match="too few to decide"):
+        runner.make_request("http://127.0.0.1:9", reference_url="http://127.0.0.1:8", seeds=2)
