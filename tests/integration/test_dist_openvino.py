@@ -20,7 +20,7 @@ from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
 SEEDS = 1000  # plain and prompt lookup certify the 0.15 tolerance at 1000 (TV bound 0.10-0.13)
-KINDS = ("last-token", "context")
+KINDS: tuple[fixtures.FixtureKind, ...] = ("last-token", "context")
 
 
 def _sampler(t: float) -> fixtures.SamplerSettings:

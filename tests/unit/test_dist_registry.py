@@ -73,12 +73,14 @@ def test_an_unregistered_engine_is_a_usage_error(cli: CliFn) -> None:
 
 def test_the_builtin_entries_declare_what_they_need() -> None:
     e = {x.name: x for x in registry.entries()}
-    assert list(e) == ["server", "speculative-example", "url", "openai", "transformers"]
+    assert list(e) == ["server", "speculative-example", "url", "openai", "transformers", "openvino"]
     assert registry.binary_engines() == ("server", "speculative-example")
     assert registry.url_engines() == ("url", "openai")
     assert e["transformers"].extra == "transformers"
     assert [o.flag for o in e["server"].options] == ["--path"]
     assert [o.flag for o in e["transformers"].options] == ["--generator"]
+    assert e["openvino"].extra == "openvino"
+    assert [o.flag for o in e["openvino"].options] == ["--ov-path", "--ov-logprobs"]
 
 
 def test_two_engines_cannot_share_an_option() -> None:
