@@ -188,3 +188,16 @@ def test_a_draft_that_is_not_an_ir_folder(tmp_path: Path, pipes: dict[str, ov.Pi
     assert (gguf.parent / ov_fixtures.IR_MODEL).is_file()
     pipe = ov.open_pipeline(pipes["last-token"].converted.target, "draft", gguf)
     assert pipe is not None
+
+
+def test_audit_lines_give_fidelity_and_reproducibility_per_path(
+    fixture_dirs: dict[str, fixtures.FixtureSet],
+) -> None:
+    from specaudit.audit.sections import engines
+
+    lines = engines.openvino_lines(fixture_dirs["last-token"], seeds=20)
+    assert [ln.split(": ")[1] for ln in lines] == [f"OpenVINO {p}" for p in ov.PATHS]
+    plain, draft, lookup = lines
+    assert "80/80 real and correct" in plain and "NOT reproducible" not in plain
+    assert "80/80 real and correct" in lookup and "NOT reproducible" not in lookup
+    assert "80/80 real and correct" not in draft

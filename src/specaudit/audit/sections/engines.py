@@ -4,7 +4,9 @@ Hugging Face transformers' `generate()` with every candidate generator a llama f
 drive (assistant model, prompt lookup, early exit), on both fixtures; llama-server through
 its OpenAI-compatible `/v1/completions` (`--engine openai`); llama-cpp-python's server with
 prompt-lookup decoding through the same engine, and `check` on it (real logprobs, no
-/slots). Kept fast: sequential mode, at most `SEEDS` samples each.
+/slots); OpenVINO GenAI's plain, draft and prompt-lookup paths on both fixtures (converted to
+F16), with each path's logprob fidelity and reproducibility (`openvino_lines`). Kept fast:
+sequential mode, at most `SEEDS` samples each.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ HEADERS = (
 )
 
 
+IN_PROCESS = ("transformers", "openvino")  # engines whose kind names the generator / path
+
+
 def rows(results: list[tuple[str, str, distribution.DistResult]]) -> list[tuple[object, ...]]:
     """One row per (engine, generator, fixture): the table of docs/engines.md."""
     out: list[tuple[object, ...]] = []
     for engine, generator, r in results:
         for e in r.engines:
-            gen = e.kind.removeprefix("transformers-") if engine == "transformers" else generator
+            inproc = engine in IN_PROCESS
+            gen = e.kind.removeprefix(engine + "-") if inproc else generator
+            label = e.engine.split()[0] + " " + e.engine.split()[1] if inproc else e.engine
             out.append(
                 (
-                    e.engine if engine != "transformers" else engine + " " + e.engine.split()[1],
+                    label,
                     gen,
                     r.fixture,
                     e.verdict.value,
@@ -94,14 +101,39 @@ def run_engines(
             if chk is None:
                 chk = check.run(s.url, prompt=fs.spec.prompt, tokens=8, endpoint="completions")
     assert chk is not None
+    for fs in (ctx.fixture, ctx.context_fixture):
+        ctx.progress(f"engines: OpenVINO GenAI on {fs.spec.name}")
+        r = _sequential("openvino", fs, seeds)
+        notes += [f"{fs.spec.name}: {n}" for n in r.notes]
+        notes += openvino_lines(fs)
+        out.append(("openvino", "", r))
     return out, chk, notes
+
+
+def openvino_lines(fs: FixtureSet, seeds: int = 100) -> list[str]:
+    """Per OpenVINO path on `fs`: every reported log-probability classified against the closed
+    form (raw values, logprobs=1), and reproducibility (a seed twice, alone vs in a batch)."""
+    from specaudit.distribution import openvino as ov
+
+    pipes = ov.Pipelines(fs)
+    wl = distribution.make_workload(pipes.spec)
+    out = []
+    for path in ov.PATHS:
+        f = ov.fidelity(pipes, wl, path, range(1, seeds + 1), logprobs=1)
+        rep = ov.reproducibility(pipes, wl, path, range(1, min(seeds, 50) + 1))
+        out.append(
+            f"{fs.spec.name}: OpenVINO {path}: logprobs {f.summary()}; {rep.summary()}"
+            + ("" if rep.reproducible else " (NOT reproducible)")
+        )
+    return out
 
 
 def section(ctx: AuditContext) -> Section:
     """The engines section (see the module doc)."""
     results, chk, notes = run_engines(ctx)
     table = rows(results)
-    not_covered = results[0][2].not_covered
+    not_covered = [nc for _, _, r in results for nc in r.not_covered]
+    not_covered = list(dict.fromkeys(not_covered))
     markdown = "\n".join(
         [
             "The distribution test beyond llama.cpp's own programs (sequential, at most "
@@ -111,7 +143,7 @@ def section(ctx: AuditContext) -> Section:
             "",
             *notes,
             "",
-            "transformers generators that cannot run on a llama fixture:",
+            "transformers generators and OpenVINO paths that cannot run on a llama fixture:",
             "",
             *distribution.not_covered_lines(not_covered),
             "",
@@ -124,7 +156,8 @@ def section(ctx: AuditContext) -> Section:
     summary = "; ".join(f"{r[0]} {r[1]} {r[2]}: {r[3]}" for r in table)
     return Section(
         key="engines",
-        title="Engines: transformers, llama-cpp-python, any OpenAI-compatible server",
+        title="Engines: transformers, llama-cpp-python, OpenVINO GenAI, any OpenAI-compatible "
+        "server",
         markdown=markdown,
         data={"engines": [r for _, _, r in results], "check_llama_cpp_python": chk},
         status=status,
@@ -132,4 +165,4 @@ def section(ctx: AuditContext) -> Section:
     )
 
 
-__all__ = ["HEADERS", "SEEDS", "rows", "run_engines", "section"]
+__all__ = ["HEADERS", "SEEDS", "openvino_lines", "rows", "run_engines", "section"]
