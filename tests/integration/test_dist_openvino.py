@@ -76,7 +76,9 @@ def test_plain_and_prompt_lookup_keep_the_distribution(
         assert e.verdict is Verdict.PRESERVED, (e.engine, e.reason)
         assert e.drafted is None and e.accepted is None  # OpenVINO reports no counts here
     assert any("closed form of the F16 weights" in n for n in res.notes)
-    assert any("prompt-lookup: OpenVINO reports no drafted/accepted" in n for n in res.notes)
+    (lookup,) = [n for n in res.notes if "prompt-lookup: OpenVINO reports no drafted" in n]
+    extra = int(lookup.split("show ")[1].split()[0])
+    assert extra > 0, lookup  # the lookups were accepted: the path really drafted
 
 
 @pytest.mark.parametrize(("kind", "temperature"), [(k, t) for k in KINDS for t in (0.5, 1.5)])
