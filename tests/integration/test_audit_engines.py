@@ -33,5 +33,5 @@ def test_engines_section(audit_ctx: audit.AuditContext) -> None:
     assert all(isinstance(r[4], int) and r[4] <= 100 for r in rows), rows
     assert sum("transformers next-token probabilities vs the closed form" in n for n in notes) == 2
     assert sum("OpenVINO probabilities (plain, f32) vs the closed form" in n for n in notes) == 2
-    assert sum("OpenVINO draft: logprobs" in n and "real but wrong" in n for n in notes) == 2
+    assert sum("OpenVINO draft, seeds" in n and "NOT reproducible" in n for n in notes) == 2
     assert chk.outcome is Outcome.OK and chk.speculation.state == "unknown"

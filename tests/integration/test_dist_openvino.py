@@ -76,6 +76,10 @@ def test_plain_and_prompt_lookup_keep_the_distribution(
         assert e.verdict is Verdict.PRESERVED, (e.engine, e.reason)
         assert e.drafted is None and e.accepted is None  # OpenVINO reports no counts here
     assert any("closed form of the F16 weights" in n for n in res.notes)
+    # each path's fidelity and reproducibility, in the result's notes
+    for p in ("plain", "prompt-lookup"):
+        (line,) = [n for n in res.notes if n.startswith(f"OpenVINO {p}, seeds 1..50")]
+        assert "200/200 real and correct" in line and "NOT reproducible" not in line, line
     (lookup,) = [n for n in res.notes if "prompt-lookup: OpenVINO reports no drafted" in n]
     extra = int(lookup.split("show ")[1].split()[0])
     assert extra > 0, lookup  # the lookups were accepted: the path really drafted
@@ -90,8 +94,11 @@ def test_draft_path_is_found_broken_at_several_temperatures(
         ["openvino"], fixture=fixture_dirs[kind], seeds=300, sampler=_sampler(temperature),
         ov_paths=["draft"],
     )  # fmt: skip
-    (e,) = distribution.run(req).engines
+    res = distribution.run(req)
+    (e,) = res.engines
     assert e.kind == "openvino-draft"
+    (line,) = [n for n in res.notes if n.startswith("OpenVINO draft, seeds 1..50")]
+    assert "200/200 real and correct" not in line and "NOT reproducible" in line, line
     assert e.verdict is Verdict.BROKEN, e.reason
     assert e.impossible > 0 and e.evidence
     assert e.drafted is not None and e.accepted is not None and e.accepted > 0
@@ -190,16 +197,3 @@ def test_a_draft_that_is_not_an_ir_folder(tmp_path: Path, pipes: dict[str, ov.Pi
     assert (gguf.parent / ov_fixtures.IR_MODEL).is_file()
     pipe = ov.open_pipeline(pipes["last-token"].converted.target, "draft", gguf)
     assert pipe is not None
-
-
-def test_audit_lines_give_fidelity_and_reproducibility_per_path(
-    fixture_dirs: dict[str, fixtures.FixtureSet],
-) -> None:
-    from specaudit.audit.sections import engines
-
-    lines = engines.openvino_lines(fixture_dirs["last-token"], seeds=20)
-    assert [ln.split(": ")[1] for ln in lines] == [f"OpenVINO {p}" for p in ov.PATHS]
-    plain, draft, lookup = lines
-    assert "80/80 real and correct" in plain and "NOT reproducible" not in plain
-    assert "80/80 real and correct" in lookup and "NOT reproducible" not in lookup
-    assert "80/80 real and correct" not in draft

@@ -23,7 +23,8 @@ form) applies temperature last. The two agree when top-p is 1 and min-p 0 (top-k
 a positive temperature), the only settings `check` lets through.
 
 Besides sampling: `fidelity` (every reported ``generated_log_probs`` value against the closed
-form for its prefix) and `reproducibility` (a seed twice; a request alone and in a batch).
+form for its prefix) and `reproducibility` (a seed twice; a request alone and in a batch),
+both run on every path `dist` measures and reported in its notes (`path_findings`).
 openvino-genai is imported on first use (`pip install 'specaudit[openvino]'`).
 """
 
@@ -524,6 +525,21 @@ def engines(
     return pipes, [OpenVINOEngine(pipes, workload, p, logprobs) for p in dict.fromkeys(paths)], tc
 
 
+FINDING_SEEDS = 50  # seeds of the fidelity and reproducibility checks `dist` adds per path
+
+
+def path_findings(
+    pipes: Pipelines, workload: Workload, path: str, seeds: int = FINDING_SEEDS
+) -> tuple[Fidelity, Reproducibility, str]:
+    """One path's logprob fidelity (raw values, ``logprobs=1``) and reproducibility on seeds
+    1..`seeds`, and the line that reports both."""
+    fid = fidelity(pipes, workload, path, range(1, seeds + 1), logprobs=1)
+    rep = reproducibility(pipes, workload, path, range(1, seeds + 1))
+    flag = "" if rep.reproducible else " (NOT reproducible)"
+    line = f"OpenVINO {path}, seeds 1..{seeds}: logprobs {fid.summary()}; {rep.summary()}{flag}"
+    return fid, rep, line
+
+
 def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
     paths = req.option("ov_paths") or PATHS
     logprobs = int((req.option("ov_logprobs") or ("0",))[-1])
@@ -532,6 +548,7 @@ def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
     ctx.not_covered.extend(NOT_RUNNABLE)
     for eng in engs:
         yield Unit(eng, path=None, spec=pipes.spec)
+        ctx.notes.append(path_findings(pipes, req.workload, eng.path)[2])
         if eng.inconsistent:
             ctx.notes.append(
                 f"{eng.label}: OpenVINO's counters said accepted > drafted on "
@@ -582,6 +599,7 @@ __all__ = [
     "NOT_RUNNABLE",
     "OPENVINO",
     "PATHS",
+    "FINDING_SEEDS",
     "PATH_HELP",
     "PROPERTIES",
     "Fidelity",
@@ -599,6 +617,7 @@ __all__ = [
     "fidelity",
     "generation_config",
     "open_pipeline",
+    "path_findings",
     "reproducibility",
     "run_requests",
     "score_outputs",

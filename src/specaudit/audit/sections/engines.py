@@ -5,7 +5,7 @@ drive (assistant model, prompt lookup, early exit), on both fixtures; llama-serv
 its OpenAI-compatible `/v1/completions` (`--engine openai`); llama-cpp-python's server with
 prompt-lookup decoding through the same engine, and `check` on it (real logprobs, no
 /slots); OpenVINO GenAI's plain, draft and prompt-lookup paths on both fixtures (converted to
-F16), with each path's logprob fidelity and reproducibility (`openvino_lines`). Kept fast:
+F16), with each path's logprob fidelity and reproducibility (in the notes). Kept fast:
 sequential mode, at most `SEEDS` samples each.
 """
 
@@ -104,28 +104,9 @@ def run_engines(
     for fs in (ctx.fixture, ctx.context_fixture):
         ctx.progress(f"engines: OpenVINO GenAI on {fs.spec.name}")
         r = _sequential("openvino", fs, seeds)
-        notes += [f"{fs.spec.name}: {n}" for n in r.notes]
-        notes += openvino_lines(fs)
+        notes += [f"{fs.spec.name}: {n}" for n in r.notes]  # with each path's fidelity
         out.append(("openvino", "", r))
     return out, chk, notes
-
-
-def openvino_lines(fs: FixtureSet, seeds: int = 100) -> list[str]:
-    """Per OpenVINO path on `fs`: every reported log-probability classified against the closed
-    form (raw values, logprobs=1), and reproducibility (a seed twice, alone vs in a batch)."""
-    from specaudit.distribution import openvino as ov
-
-    pipes = ov.Pipelines(fs)
-    wl = distribution.make_workload(pipes.spec)
-    out = []
-    for path in ov.PATHS:
-        f = ov.fidelity(pipes, wl, path, range(1, seeds + 1), logprobs=1)
-        rep = ov.reproducibility(pipes, wl, path, range(1, min(seeds, 50) + 1))
-        out.append(
-            f"{fs.spec.name}: OpenVINO {path}: logprobs {f.summary()}; {rep.summary()}"
-            + ("" if rep.reproducible else " (NOT reproducible)")
-        )
-    return out
 
 
 def section(ctx: AuditContext) -> Section:
@@ -165,4 +146,4 @@ def section(ctx: AuditContext) -> Section:
     )
 
 
-__all__ = ["HEADERS", "SEEDS", "openvino_lines", "rows", "run_engines", "section"]
+__all__ = ["HEADERS", "SEEDS", "rows", "run_engines", "section"]
