@@ -154,7 +154,8 @@ def generation_config(
     workload: Workload, path: str, seed: int, *, logprobs: int = 0, tokens: int | None = None
 ) -> Any:
     """The `GenerationConfig` of one request: the workload's sampler, ``rng_seed`` = `seed`,
-    no penalties, no stop on EOS before `tokens` (what the closed form assumes)."""
+    no penalties (what the closed form assumes). EOS stops a request as it would a user's: a
+    short sample is an outcome the closed form gives probability 0."""
     import openvino_genai as ovg
 
     s = workload.sampler
@@ -208,8 +209,9 @@ def run_requests(pipe: Any, prompt_ids: Sequence[int], configs: Sequence[Any]) -
 
 
 class Pipelines:
-    """The converted fixture and one pipeline per path, loaded once and checked against the
-    closed form (`check_truth`) before anything is sampled."""
+    """The converted fixture and one pipeline per path, each loaded on first use (`engines`
+    runs `check_truth` on them before anything is sampled). `target`: another model file to
+    load instead of the converted target (the fixture still gives the prompt and the truth)."""
 
     def __init__(
         self,
