@@ -46,6 +46,7 @@ def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
     assert distribution.PATHS == presets.PATHS == (
         "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES, "mtp", "mtp-rejection",
+        "eagle3",
     )  # fmt: skip
     assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
@@ -72,7 +73,7 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
             assert p.spec_type == t and not p.uses_draft and p.variant == "stock"
             assert p.extra_args == presets.NGRAM_TYPE_ARGS[t]
     with pytest.raises(ValueError, match="path must be one of"):
-        presets.fixture_role("fixture", "eagle3")
+        presets.fixture_role("fixture", "dflash")
     with pytest.raises(ValueError, match="does not run on"):
         presets.fixture_role("fixture", "mtp")
     with pytest.raises(ValueError, match="does not run on"):
@@ -111,7 +112,8 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("--path", "eagle3"), "'eagle3' is not one of"),
+        (("--path", "dflash"), "'dflash' is not one of"),
+        (("--fixture-kind", "mtp", "--path", "eagle3"), "--path eagle3 needs a fixture of"),
         (("--path", "mtp"), "--path mtp needs the mtp fixture (--fixture-kind mtp)"),
         (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
         (("--path", "Greedy"), "is not one of"),
@@ -232,12 +234,12 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert [e.path for e in res.engines] == list(coverage.kind_paths("last-token"))
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
-        *(f"server-{t}" for t in NGRAM_TYPES),
+        *(f"server-{t}" for t in NGRAM_TYPES), "server-eagle3",
     ]  # fmt: skip
     names = [n for n, _ in started]
     assert names == [
         "dist-plain", "dist-spec", "dist-spec-probabilistic", "dist-ngram",
-        *(f"dist-{t}" for t in NGRAM_TYPES),
+        *(f"dist-{t}" for t in NGRAM_TYPES), "dist-eagle3",
     ]  # fmt: skip
     argv = {n: a for n, a in started}
     assert "--spec-type" not in argv["dist-plain"] and "-md" not in argv["dist-plain"]
@@ -275,7 +277,7 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
         ("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy
     )
     res = distribution.run(req)
-    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram", *NGRAM_TYPES]
+    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram", *NGRAM_TYPES, "eagle3"]
     assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
 
 
@@ -284,7 +286,7 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
     [
         ({"paths": "greedy"}, "not one string"),
         ({"paths": ()}, "no --path given"),
-        ({"paths": ("greedy", "eagle3")}, "unknown --path 'eagle3'"),
+        ({"paths": ("greedy", "dflash")}, "unknown --path 'dflash'"),
         ({"paths": ("greedy", "mtp")}, "--path mtp needs the mtp fixture"),
         ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
     ],
@@ -354,13 +356,14 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     rows = {(r[0], r[2]): r for r in coverage.coverage_rows(res)}
     # draft-simple and draft-mtp: two paths each
     assert len(rows) == len(coverage.coverage_rows(res)) == 13
+    assert rows["draft-eagle3", "eagle3"][1:4] == ("yes", "eagle3", "not run")
     assert rows["ngram-cache", "ngram-cache"][1:6] == ("yes", "ngram-cache", "PRESERVED", 12, 5)
     assert rows["ngram-map-k", "ngram-map-k"][3:6] == ("not run", None, None)
     assert rows["ngram-mod", "ngram"][1] == "yes"
     assert rows["draft-simple", "rejection"][1] == "yes"
     assert rows["draft-mtp", "mtp"][1:4] == ("yes", "mtp", "not run")
     assert rows["draft-mtp", "mtp-rejection"][1] == "yes"
-    for t in ("draft-eagle3", "draft-dflash", "draft-dspark"):
+    for t in ("draft-dflash", "draft-dspark"):
         row = rows[t, "-"]
         assert row[1:4] == ("no", "-", "-") and len(row[6]) > 40, t
     k4v = rows["ngram-map-k4v", "ngram-map-k4v"][6]
@@ -369,7 +372,7 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     assert "Every --spec-type of b11434:" in md
     assert "| ngram-cache | yes | ngram-cache | PRESERVED | 12 | 5 |" in md
     assert "| draft-mtp | yes | mtp | not run | - | - |" in md
-    assert "| draft-eagle3 | no | - | - | - | - |" in md
+    assert "| draft-dflash | no | - | - | - | - |" in md
     # no server path ran (a URL): no coverage table
     e.path = None
     assert "Every --spec-type" not in distribution.paths_markdown(res)

@@ -17,7 +17,7 @@ from specaudit import fixtures as fx
 from specaudit.fixtures.definitions import MTP_HIDDEN_WEIGHT
 from specaudit.fixtures.reference import mtp_head, mtp_target_hidden
 from specaudit.fixtures.specs import _random_table
-from specaudit.fixtures.truth import mtp_greedy_draft
+from specaudit.fixtures.truth import eagle3_greedy_draft, mtp_greedy_draft
 
 R = fx.REPORT_SAMPLER
 SPEC = fx.spec_for_kind("mtp")
@@ -210,3 +210,31 @@ def test_greedy_drafts_chain_the_heads_own_hidden_state() -> None:
         chained = mtp_greedy_draft(SPEC, p, q, 2)
         differ += chained[1] != mtp_greedy_draft(SPEC, q, chained[0], 1)
     assert differ > 0
+
+
+# ------------------------------------------------------------------ the EAGLE3 draft head
+
+
+def test_eagle3_head_is_written_next_to_a_llama_fixture_deterministically(tmp_path: Path) -> None:
+    fs = fx.build(tmp_path / "f")
+    path = fx.eagle3_draft(fs)
+    assert path == fs.dir / fx.EAGLE3_FILE
+    first = path.read_bytes()
+    assert fx.eagle3_draft(fs).read_bytes() == first
+    path.write_bytes(b"stale")
+    assert fx.eagle3_draft(fs).read_bytes() == first  # a wrong file is replaced
+    assert fx.load(fs.dir).spec == fs.spec  # the manifest does not list it
+    r = gguf.GGUFReader(path)
+    arch = r.get_field("general.architecture")
+    layers = r.get_field("eagle3.target_layers")
+    assert arch is not None and arch.contents() == "eagle3"
+    assert layers is not None and layers.contents() == [0, 0, 0]
+    with pytest.raises(ValueError, match="glm4moe"):
+        fx.eagle3_draft(fx.build(tmp_path / "m", kind="mtp"))
+
+
+def test_eagle3_greedy_draft_repeats_the_draft_tables_argmax_after_the_previous_letter() -> None:
+    spec = fx.default_spec()
+    for prev in spec.letters:
+        want = spec.letters[int(np.argmax(spec.draft[spec.letters.index(prev)]))]
+        assert eagle3_greedy_draft(spec, prev, "a", 3) == want * 3

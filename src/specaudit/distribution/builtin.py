@@ -43,6 +43,7 @@ _SERVER_NAMES = {
     **{t: f"dist-{t}" for t in presets.NGRAM_TYPE_ARGS},
     "mtp": "dist-mtp",
     "mtp-rejection": "dist-mtp-probabilistic",
+    "eagle3": "dist-eagle3",
 }
 # the presets' model of each fixture kind
 _KIND_MODELS = {"last-token": "fixture", "context": "fixture-context", "mtp": "fixture-mtp"}
@@ -117,7 +118,7 @@ def spawn_server(
         preset,
         binaries,
         Path(fixture.target),
-        Path(fixture.draft) if preset.uses_draft else None,
+        _draft_file(fixture, preset),
         parallel=parallel,
         ctx_per_slot=fixture.spec.config.context_length,
         log_path=(log_dir / f"{name}.log") if log_dir else None,
@@ -125,6 +126,18 @@ def spawn_server(
     )
     with srv:
         yield srv
+
+
+def _draft_file(fixture: fixtures.FixtureSet, preset: presets.Preset) -> Path | None:
+    """The -md of a role: the fixture's draft model, its EAGLE3 head, or none."""
+    if not preset.uses_draft:
+        return None
+    if preset.spec_type == "draft-eagle3":
+        try:
+            return fixtures.eagle3_draft(fixture)
+        except fixtures.FixtureError as e:
+            raise DistError(str(e)) from None
+    return Path(fixture.draft)
 
 
 def _server_path(draft: bool | None, draft_sampling: str, path: str | None) -> str:
@@ -246,7 +259,8 @@ SERVER = register(
                 "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache (those n-gram types, no "
                 "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
                 "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
-                "plain, mtp, mtp-rejection).",
+                "plain, mtp, mtp-rejection); eagle3 (--spec-type draft-eagle3: the fixture's "
+                "EAGLE3 head drafts from the target's hidden states).",
             ),
         ),
         check=_check_server,

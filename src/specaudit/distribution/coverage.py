@@ -34,6 +34,7 @@ PATH_ENGINES: dict[str, tuple[str, str]] = {
     **{t: (f"llama-server + {t}", f"server-{t}") for t in NGRAM_TYPE_ARGS},
     "mtp": ("llama-server + MTP, greedy", "server-mtp"),
     "mtp-rejection": ("llama-server + MTP, rejection", "server-mtp-rejection"),
+    "eagle3": ("llama-server + EAGLE3 head", "server-eagle3"),
 }
 
 PATH_HELP: dict[str, str] = {
@@ -49,14 +50,16 @@ PATH_HELP: dict[str, str] = {
     "sample-and-match (the mtp fixture)",
     "mtp-rejection": "--spec-type draft-mtp --spec-draft-sampling probabilistic: rejection "
     "sampling of the MTP layer's drafts (T > 0; the mtp fixture)",
+    "eagle3": "--spec-type draft-eagle3, -md the fixture's EAGLE3 head: drafts from the "
+    "target's hidden states, sample-and-match",
 }
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
 NOT_COVERED: tuple[tuple[str, str], ...] = (
     (
-        "eagle3/dflash/dspark",
-        "these drafters need draft heads trained on the target's hidden states; none exist "
-        "for the fixtures",
+        "dflash/dspark",
+        "these drafters need draft GGUFs of their own (arch dflash: a block size, a mask "
+        "token; dspark adds a Markov head); none exist for the fixtures",
     ),
     (
         "replay",
@@ -96,9 +99,10 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (
         "draft-eagle3",
-        (),
-        "needs a draft GGUF of arch eagle3 (exactly three target layer ids, fc over the "
-        "target's hidden states, one layer) on a llama target; no eagle3 fixture draft yet",
+        ("eagle3",),
+        "-md the fixture's EAGLE3 head (fixtures.eagle3_draft: arch eagle3, target_layers "
+        "[0, 0, 0], fc over the target's hidden states, one zeroed layer, the draft table as "
+        "its output): argmax drafts verified by sample-and-match",
     ),
     (
         "draft-dflash",

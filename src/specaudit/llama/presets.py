@@ -32,7 +32,7 @@ DRAFT_SAMPLING = ("greedy", "probabilistic")
 PATHS = (
     "plain", "greedy", "rejection", "ngram",
     "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
-    "mtp", "mtp-rejection",
+    "mtp", "mtp-rejection", "eagle3",
 )  # fmt: skip
 # The MTP paths: `--spec-type draft-mtp` with no draft model drafts with the target's own
 # multi-token-prediction layer (a second, MTP-type context on the target model), greedy
@@ -40,6 +40,8 @@ PATHS = (
 # (fixtures kind "mtp", model "fixture-mtp") has such a layer: on a model without one
 # llama-server refuses to start. That fixture runs these and "plain".
 MTP_PATHS = ("mtp", "mtp-rejection")
+# "eagle3": `--spec-type draft-eagle3` with the fixture's EAGLE3 head as -md
+# (fixtures.eagle3_draft), on the llama fixtures; argmax drafts, sample-and-match.
 MTP_MODEL_PATHS = ("plain", *MTP_PATHS)
 
 # ngram-mod's defaults look up 24-token n-grams and draft nothing under 48 tokens: on the
@@ -181,6 +183,11 @@ PRESETS: dict[str, Preset] = {
             for model in ("fixture", "fixture-context")
             for t, a in NGRAM_TYPE_ARGS.items()
         ),
+        # EAGLE3: -md is the fixture's EAGLE3 head (fixtures.eagle3_draft), not draft.gguf
+        *(
+            Preset(f"{model}-eagle3", model, True, spec_type="draft-eagle3")
+            for model in ("fixture", "fixture-context")
+        ),
         # the n-gram types with the spec-logprobs patch (`check`, the patch-equality tests)
         *(
             Preset(f"fixture-{t}-patched", "fixture", True, "patched", spec_type=t, args=a)
@@ -211,6 +218,7 @@ _PATH_ROLES = {
     "ngram": "ngram",
     **{t: t for t in NGRAM_TYPE_ARGS},
     **{p: p for p in MTP_PATHS},
+    "eagle3": "eagle3",
 }
 
 
@@ -233,6 +241,8 @@ def path_of(preset: Preset) -> str:
         return "plain"
     if preset.uses_mtp:
         return "mtp-rejection" if preset.draft_sampling == "probabilistic" else "mtp"
+    if preset.spec_type == "draft-eagle3":
+        return "eagle3"
     if not preset.uses_draft:
         # the n-gram types: ngram-mod is "ngram", the others are named by their type
         return preset.spec_type if preset.spec_type in NGRAM_TYPE_ARGS else "ngram"
