@@ -1,7 +1,7 @@
 """`specaudit check` against real llama-server b11434: plain vs speculating fixture (every
 endpoint, streamed and not, through the CLI), Gemma 3 270M plain vs speculating on the chat
-endpoint (through the audit section), and n-gram speculation mixing real and placeholder
-tokens in one response."""
+endpoint (through the audit section), n-gram speculation mixing real and placeholder
+tokens in one response, and each other n-gram type real with spec-logprobs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from specaudit import audit, check
 from specaudit.audit.sections import check as check_sections
 from specaudit.client import JSON, Client, StreamResult
+from specaudit.llama import presets
 
 CliFn = Callable[..., tuple[int, str, str]]
 ALL_LABELS = {f"{k}{s}" for k in check.PROBE_KINDS for s in ("", " (stream)")}
@@ -72,6 +73,23 @@ def test_fixture_spec_human_output(server: Callable[..., Any], cli: CliFn) -> No
     assert "0 first" in out and "missing (sent 0)" in out
     assert "hidden speculation" in out and "verdict: placeholders" in out
     assert "per-request switch: ignored" in out
+
+
+@pytest.mark.parametrize("ngram_type", list(presets.NGRAM_TYPE_ARGS))
+def test_fixture_ngram_types_real_when_patched(
+    server: Callable[..., Any], cli: CliFn, ngram_type: str
+) -> None:
+    """ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache: with spec-logprobs every token
+    on every endpoint is real while the server drafts. (The stock control is in
+    test_patch_equality: the session's stock n-gram servers keep their per-slot drafter state
+    for the audit's dist section, so they are not probed here.)"""
+    url = server(f"fixture-{ngram_type}-patched").url
+    rc, body = _check_json(cli, url, "--prompt", "bcdbc")
+    assert rc == 0 and body["verdict"] == "real", body["placeholders_by_endpoint"]
+    assert body["placeholders_by_endpoint"] == dict.fromkeys(ALL_LABELS, 0)
+    drafted = sum(e["draft_n"] or 0 for e in body["endpoints"])
+    print(f"\n{ngram_type} patched: check exit {rc}, {drafted} tokens drafted over the probes")
+    assert drafted > 0, f"{ngram_type} never drafted: nothing was checked under speculation"
 
 
 @pytest.fixture(scope="module")

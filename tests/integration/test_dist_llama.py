@@ -118,7 +118,11 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
                 assert e.drafted is None
             else:  # speculation on this path really happened
                 assert e.drafted is not None and e.drafted > 0, (key, e.path)
-                assert e.accepted is not None and 0 < e.accepted <= e.drafted, (key, e.path)
+                assert e.accepted is not None and e.accepted <= e.drafted, (key, e.path)
+                # ngram-map-k/-k4v draft only a handful of times (a prompt key rejected once
+                # drafts no more in its slot, docs/dist.md): those few may all be rejected
+                if e.path not in ("ngram-map-k", "ngram-map-k4v"):
+                    assert e.accepted > 0, (key, e.path)
         assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
     res = sec.data["dist"]
     example = [e for e in res.engines if e.kind == "speculative-example"]

@@ -21,8 +21,10 @@ sampler chain (``post_sampling_probs``).
   two servers' arithmetic comparable.
   Only verification batches of up to 4 tokens compare that closely (a 17-token batch
   already differs by ~0.05), hence short n-gram drafts on Gemma.
-- ngram-mod on repetitive text (fixture and Gemma): no placeholder, same values as the plain
-  server.
+- ngram-mod on repetitive text (fixture and Gemma), and on the fixture each other n-gram type
+  (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache, one server each with
+  `presets.NGRAM_TYPE_ARGS`): no placeholder, same values as the plain server; stock servers
+  of each type are the control.
 """
 
 from __future__ import annotations
@@ -274,6 +276,15 @@ def fixture_servers(
                 extra_args=["--spec-synth-len", "3"],
             ),
             "ngram": s.start("fx-ngram", patched_bins, fx.target, spec_type="ngram-mod"),
+            # the other n-gram types, patched and (the control) stock, each with its flags
+            **{
+                f"{v}-{t}": s.start(
+                    f"fx-{v}-{t}", bins, fx.target, spec_type=t,
+                    extra_args=list(presets.NGRAM_TYPE_ARGS[t]),
+                )
+                for t in presets.NGRAM_TYPE_ARGS
+                for v, bins in (("patched", patched_bins), ("stock", llama_bins))
+            },
         }  # fmt: skip
 
 
@@ -458,6 +469,41 @@ def test_fixture_ngram_mod_no_placeholder(
             drafted += got.draft_n
     assert drafted > 0, "ngram-mod never drafted: the speculative path went untested"
     assert tally.tokens == 12 * FIXTURE_N
+
+
+@pytest.mark.parametrize("ngram_type", list(presets.NGRAM_TYPE_ARGS))
+def test_fixture_ngram_types_equal_plain(
+    fixture_servers: dict[str, str], fx: fixtures.FixtureSet, ngram_type: str
+) -> None:
+    """ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache: same sample as the plain server
+    (sample-and-match), every token's values the plain server's, pre- and post-sampling; the
+    same requests to the stock server show placeholders (the comparison is not vacuous)."""
+    plain = fixture_servers["plain"]
+    cycle = native(
+        plain, fx.spec.prompt, seed=0, n_predict=40, sampler={**FIXTURE_SAMPLER, "temperature": 0.0}
+    ).text
+    prompt = fx.spec.prompt + cycle
+    sampler = {**FIXTURE_SAMPLER, "temperature": 0.3}
+    tally, drafted, accepted, stock_placeholders = Tally(), 0, 0, 0
+    for seed in range(1, 7):
+        for post in (False, True):
+            kw: dict[str, Any] = {"seed": seed, "n_predict": FIXTURE_N, "post": post}
+            ref = native(plain, prompt, sampler=sampler, **kw)
+            got = native(fixture_servers[f"patched-{ngram_type}"], prompt, sampler=sampler, **kw)
+            assert placeholders(got) == 0
+            tally.add(*compare(ref, got, FIXTURE_TOL))
+            drafted += got.draft_n
+            accepted += got.draft_n_accepted
+            stock = native(fixture_servers[f"stock-{ngram_type}"], prompt, sampler=sampler, **kw)
+            assert [t.id for t in stock.toks] == [t.id for t in ref.toks]
+            stock_placeholders += placeholders(stock)
+    print(
+        f"\n{ngram_type}: {tally.tokens} tokens, max diff {tally.max_diff:.3g}, "
+        f"draft {accepted}/{drafted}, stock placeholders {stock_placeholders}"
+    )
+    assert tally.tokens == 12 * FIXTURE_N
+    assert accepted > 0, f"{ngram_type} never had a draft accepted: its path went untested"
+    assert stock_placeholders > 0, f"stock {ngram_type} shows no placeholders"
 
 
 # -------------------------------------------------------------------------------------------
