@@ -78,6 +78,7 @@ def test_samples_from_the_target_are_preserved() -> None:
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert [t.name for t in res.tests] == [
         "position 1", "position 2", "position 3", "position 4", "joint 1-3", "draft direction",
+        "history 3", "history 4", "seed pairs",
     ]  # fmt: skip
     assert all(not t.rejected for t in res.tests)
     assert [c.position for c in res.headline] == [1, 2, 3]

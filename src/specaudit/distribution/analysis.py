@@ -36,6 +36,7 @@ from specaudit.distribution.results import (
     DirectedPower,
     DistError,
     EngineResult,
+    GenericPower,
     ImpossibleOutcome,
     Sample,
     TestResult,
@@ -47,6 +48,10 @@ from specaudit.stats import GofResult, TvBound, TvInterval, Verdict
 
 POWER = 0.8  # the directed test's minimum detectable TV is at this power
 PATH_LIMIT = 50_000  # sample paths enumerated for the directed test's exact null; else normal
+PAIR_TOKENS = 2  # outcomes per sample the seed-independence test compares across seeds
+# the history and seed tests' Monte-Carlo stops at this many hits (stats.mc_pvalue; exact):
+# a p-value in the bulk costs a few hundred draws, an extreme one all of them
+NEW_TESTS_STOP_HITS = 100
 
 
 @dataclass
@@ -68,15 +73,50 @@ class Tally:
     drafted: int | None = None
     accepted: int | None = None
     seeds: dict[str, int] = field(default_factory=dict)
+    # consecutive seeds (s, s + 1): counts of their first `pair_length` outcomes, and the runs
+    # of consecutive seeds drawn kept as intervals (only their ends' outcomes are remembered),
+    # so memory stays bounded by the distinct values, not by --seeds
+    pair_length: int = 1
+    pairs: dict[tuple[str, str], int] = field(default_factory=dict)
+    _run_end: dict[int, int] = field(default_factory=dict, repr=False)  # start -> end
+    _run_start: dict[int, int] = field(default_factory=dict, repr=False)  # end -> start
+    _ends: dict[int, str] = field(default_factory=dict, repr=False)  # run ends' outcomes
 
     @classmethod
     def of(cls, samples: Iterable[Sample], workload: Workload) -> Tally:
-        t = cls(tally_length(workload))
+        t = cls(tally_length(workload), pair_length=pair_length(workload))
         for s in samples:
             t.add(s)
         return t
 
+    @property
+    def runs(self) -> list[int]:
+        """Lengths of the runs of consecutive seeds drawn (seeds 1..N: [N])."""
+        return [end - start + 1 for start, end in self._run_end.items()]
+
+    def _pair(self, s: Sample) -> None:
+        seed, key = s.seed, s.text[: self.pair_length]
+        if seed in self._run_end or seed in self._run_start:
+            return  # a seed seen twice pairs once
+        left = seed - 1 in self._run_start
+        right = seed + 1 in self._run_end
+        if left:
+            k = (self._ends[seed - 1], key)
+            self.pairs[k] = self.pairs.get(k, 0) + 1
+        if right:
+            k = (key, self._ends[seed + 1])
+            self.pairs[k] = self.pairs.get(k, 0) + 1
+        start = self._run_start.pop(seed - 1) if left else seed
+        end = self._run_end.pop(seed + 1) if right else seed
+        self._run_end[start] = end
+        self._run_start[end] = start
+        self._ends[seed] = key
+        for x in (seed - 1, seed, seed + 1):
+            if x in self._ends and x != start and x != end:
+                del self._ends[x]
+
     def add(self, s: Sample) -> None:
+        self._pair(s)
         key = s.text[: self.length]
         self.texts[key] = self.texts.get(key, 0) + 1
         if key not in self.seeds or s.seed < self.seeds[key]:
@@ -93,6 +133,12 @@ class Tally:
 def tally_length(workload: Workload) -> int:
     """Characters of a sample the analysis reads: the tested positions (and the joint)."""
     return max(workload.positions, workload.joint)
+
+
+def pair_length(workload: Workload) -> int:
+    """Outcomes of each sample the seed-independence test pairs across consecutive seeds: the
+    first PAIR_TOKENS (more cells see more of a sample, at the cost of sparser tables)."""
+    return max(1, min(PAIR_TOKENS, workload.positions))
 
 
 def _weighted(texts: Sequence[str] | Mapping[str, int]) -> Iterable[tuple[str, int]]:
@@ -232,6 +278,118 @@ def certified_bounds(
     if wl.joint:
         out.append(joint_bound(truth, texts, a))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the full history: within-pool homogeneity, and independence across seeds
+
+
+@functools.lru_cache(maxsize=64)
+def _history_positions(spec: fixtures.FixtureSpec, workload: Workload) -> tuple[int, ...]:
+    """Positions t >= 2 where two different generated prefixes can share one true next-token
+    distribution (and so one pool of the position test): only there can a bug bend single
+    histories while keeping every pool's mixture exact. Found by walking the fixture's states
+    (`FixtureSpec.state_key`), counting the distinct prefixes that reach each."""
+    truth = Truth(spec, workload)
+    prompt = workload.prompt
+    level: dict[str, tuple[str, int]] = {spec.state_key(prompt): ("", 1)}
+    out: list[int] = []
+    for t in range(1, workload.positions + 1):
+        pools: dict[tuple[float, ...], int] = {}
+        for rep, count in level.values():
+            k = stratum_key(truth.p(rep))
+            pools[k] = pools.get(k, 0) + count
+        if t >= 2 and any(c >= 2 for c in pools.values()):
+            out.append(t)
+        nxt: dict[str, tuple[str, int]] = {}
+        for rep, count in level.values():
+            p = truth.p(rep)
+            for j in np.flatnonzero(p > 0):
+                tok = truth.outcomes[j]
+                if tok not in spec.letters:
+                    continue  # generation may stop here; nothing follows
+                key = spec.state_key(prompt + rep + tok)
+                old = nxt.get(key)
+                nxt[key] = (rep + tok, count) if old is None else (old[0], old[1] + count)
+        level = nxt
+    return tuple(out)
+
+
+def history_positions(truth: Truth) -> tuple[int, ...]:
+    """The positions that get a within-pool (history) test (cached per fixture and workload)."""
+    return _history_positions(truth.spec, truth.workload)
+
+
+def family_size(truth: Truth) -> int:
+    """How many tests `analyze` puts in its Holm family for this fixture and workload: the
+    positions, the joint, the draft direction (unless the draft equals the target), the
+    history tests, the seed pairs."""
+    wl = truth.workload
+    directed = 1 if draft_direction(truth).information > 1e-15 else 0
+    return wl.positions + (1 if wl.joint else 0) + directed + len(history_positions(truth)) + 1
+
+
+def history_result(
+    truth: Truth,
+    texts: Sequence[str] | Mapping[str, int],
+    t: int,
+    *,
+    mc_draws: int = stats.MC_DRAWS,
+    mc_stop_hits: int = 0,
+    mc_seed: int = 0,
+) -> GofResult:
+    """Within each pool of position t (prefixes with one true next-token distribution), is the
+    token independent of the full prefix? `stats.homogeneity_test` over the pools."""
+    tables: dict[tuple[float, ...], tuple[list[np.ndarray], np.ndarray]] = {}
+    for prefix, c in _prefix_counts(truth, texts, t).items():
+        p = truth.p(prefix)
+        rows, _ = tables.setdefault(stratum_key(p), ([], p))
+        rows.append(c)
+    return stats.homogeneity_test(
+        [(np.vstack(rows), p) for rows, p in tables.values()],
+        mc_draws=mc_draws,
+        mc_stop_hits=mc_stop_hits or NEW_TESTS_STOP_HITS,
+        seed=mc_seed,
+    )
+
+
+def seed_pair_result(
+    truth: Truth,
+    tally: Tally,
+    *,
+    mc_draws: int = stats.MC_DRAWS,
+    mc_stop_hits: int = 0,
+    mc_seed: int = 0,
+) -> GofResult:
+    """Are consecutive seeds' samples independent? The G test of independence of the pairs
+    (first `tally.pair_length` outcomes at seed s, at seed s + 1), against chains of the same
+    lengths drawn from the closed form (`stats.pair_independence_test`). Pairs holding an
+    outcome of probability 0 are left out (the position tests report those)."""
+    j = tally.pair_length
+    if j == 1:
+        p = truth.p("")
+        support = np.flatnonzero(p > 0)
+        probs = p[support]
+        cell_of = {int(c): k for k, c in enumerate(support)}
+        index = {a: cell_of.get(truth.cell(a)) for pair in tally.pairs for a in pair if a}
+    else:
+        joint = truth.joint(j)
+        seqs = sorted(joint)
+        probs = np.array([joint[x] for x in seqs])
+        index = {x: k for k, x in enumerate(seqs)}
+    table = np.zeros((len(probs), len(probs)), dtype=np.int64)
+    for (a, b), w in tally.pairs.items():
+        ia, ib = index.get(a), index.get(b)
+        if ia is not None and ib is not None:
+            table[ia, ib] += w
+    return stats.pair_independence_test(
+        table,
+        tally.runs,
+        probs / probs.sum(),
+        mc_draws=mc_draws,
+        mc_stop_hits=mc_stop_hits or NEW_TESTS_STOP_HITS,
+        seed=mc_seed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +580,7 @@ def directed_result(
     impossible: bool,
     *,
     mc_draws: int = stats.MC_DRAWS,
+    mc_stop_hits: int = 0,
     mc_seed: int = 0,
 ) -> tuple[GofResult, DraftDirection]:
     """The score test toward the draft over every tested position and context, one statistic."""
@@ -443,8 +602,9 @@ def directed_result(
         return GofResult(z, 1, p, "normal", n, dd.contexts, math.inf), dd
     vals, probs = paths
     gof = stats.directed_test(
-        total, n, vals, probs, contexts=dd.contexts, mc_draws=mc_draws, seed=mc_seed
-    )
+        total, n, vals, probs, contexts=dd.contexts, mc_draws=mc_draws,
+        mc_stop_hits=mc_stop_hits, seed=mc_seed,
+    )  # fmt: skip
     return gof, dd
 
 
@@ -464,13 +624,16 @@ def analyze(
     seconds: float = 0.0,
     mc_seed: int = 0,
     mc_draws: int = stats.MC_DRAWS,
+    mc_stop_hits: int = 0,
 ) -> EngineResult:
     """Test samples against the fixture's closed-form distributions (fixed-sample analysis).
 
     `samples`: the samples (their texts are encoded with `encode_text`: a short output, a
     special token or a character outside the fixture are outcomes of probability 0), or their
     `Tally` of encoded texts; the result is the same. `mc_draws`: simulations per Monte-Carlo
-    p-value (any number keeps them valid; fewer only coarsens them).
+    p-value (any number keeps them valid; fewer only coarsens them); `mc_stop_hits` > 0 makes
+    the family's Monte-Carlo p-values sequential (`stats.mc_pvalue`), so a large `mc_draws`
+    (a floor below a small level) costs little where the evidence is weak.
     """
     if isinstance(samples, Tally):
         tally = samples
@@ -493,7 +656,9 @@ def analyze(
     for t in range(1, workload.positions + 1):
         groups = _position_strata(truth, texts, t)
         strata = [(c, p) for c, p, _ in groups.values()]
-        gof = stats.stratified_gof(strata, seed=mc_seed + t, mc_draws=mc_draws)
+        gof = stats.stratified_gof(
+            strata, seed=mc_seed + t, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits
+        )
         tv = position_tv(truth, texts, t, alpha)
         n = int(sum(c.sum() for c, _ in strata))
         tests.append(
@@ -510,7 +675,9 @@ def analyze(
                 prefixes=sorted(prefixes)[:8],
                 n=int(counts.sum()),
                 tokens=_rows(truth.outcomes, counts, p),
-                gof=stats.multinomial_gof(counts, p, seed=mc_seed + 100 * t, mc_draws=mc_draws),
+                gof=stats.multinomial_gof(
+                    counts, p, seed=mc_seed + 100 * t, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits
+                ),
                 tv=stats.tv_interval(counts, p, alpha),
             )
             contexts.append(ctx)
@@ -522,7 +689,9 @@ def analyze(
     if workload.joint:
         j = workload.joint
         _, counts, probs, n_seqs = _joint_cells(truth, texts, j)
-        gof = stats.multinomial_gof(counts, probs, seed=mc_seed + 1000, mc_draws=mc_draws)
+        gof = stats.multinomial_gof(
+            counts, probs, seed=mc_seed + 1000, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits
+        )
         tv = stats.tv_interval(counts, probs, alpha)
         tests.append(
             TestResult(
@@ -533,8 +702,9 @@ def analyze(
     # each generated token is in exactly one position test
     impossible = sum(x.gof.impossible for x in tests if x.kind == "position")
     dgof, dd = directed_result(
-        truth, texts, tally.n, impossible > 0, mc_draws=mc_draws, mc_seed=mc_seed + 2000
-    )
+        truth, texts, tally.n, impossible > 0, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits,
+        mc_seed=mc_seed + 2000,
+    )  # fmt: skip
     if dgof.method != "trivial":  # a draft equal to the target has no direction to test
         tests.append(
             TestResult(
@@ -542,6 +712,28 @@ def analyze(
                 _directed_tv(dd, dgof, tally.n, alpha), False,
             )
         )  # fmt: skip
+    # the full history: within each pool, is the token independent of the prefix?
+    for t in history_positions(truth):
+        hgof = history_result(
+            truth, texts, t, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits,
+            mc_seed=mc_seed + 3000 + t,
+        )  # fmt: skip
+        tests.append(
+            TestResult(
+                f"history {t}", "history", t, hgof.n, hgof.n_strata, hgof, 1.0,
+                TvInterval(bounds[t - 1].estimate, 0.0, 1.0, 1 - alpha), False,
+            )
+        )  # fmt: skip
+    # independence across consecutive seeds
+    sgof = seed_pair_result(
+        truth, tally, mc_draws=mc_draws, mc_stop_hits=mc_stop_hits, mc_seed=mc_seed + 4000
+    )
+    tests.append(
+        TestResult(
+            "seed pairs", "seeds", 0, sgof.n, len(tally.runs), sgof, 1.0,
+            TvInterval(math.nan, 0.0, 1.0, 1 - alpha), False,
+        )
+    )  # fmt: skip
     adj = stats.holm([x.gof.p_value for x in tests])
     for x, pa in zip(tests, adj, strict=True):
         x.p_holm = pa
@@ -551,9 +743,18 @@ def analyze(
     worst = max(uppers)
     needed = stats.samples_needed(tally.n, worst, tolerance)
     power = dd.power(tally.n, alpha / len(tests)) if dgof.method != "trivial" else None
+    generic = generic_power(tests, workload, tally.n, alpha / len(tests))
+    seq_bound = sequence_bound(truth, texts, tally.n, alpha)
     reason = _reason(
         verdict, tests, bounds, alpha, tolerance, impossible, evidence, workload, needed, spec
     )
+    if not impossible:
+        reason += "; " + power_sentence(generic, workload)
+        if verdict is Verdict.PRESERVED:
+            reason += (
+                f"; the whole tested sequence (positions 1-{workload.positions}) has TV <= "
+                f"{seq_bound:.3f} (one-sided, at {1 - alpha:.4g})"
+            )
     assert tally.first_seed is not None and tally.last_seed is not None
     return EngineResult(
         engine=engine,
@@ -576,7 +777,60 @@ def analyze(
         tv_bound=worst,
         samples_needed=needed if verdict is Verdict.INCONCLUSIVE else None,
         directed=power,
+        power=generic,
+        sequence_tv_bound=seq_bound,
     )
+
+
+def generic_power(
+    tests: Sequence[TestResult], workload: Workload, n: int, level: float
+) -> GenericPower:
+    """The TV each position's tests (pooled and within-pool), the whole sequence's and the
+    joint's see with POWER whatever the direction (`stats.detectable_tv`), at `level` (alpha
+    over the Holm family: Holm's first step), from the degrees of freedom the tests had."""
+    by_pos: list[float | None] = []
+    every: list[int] = []
+    for t in range(1, workload.positions + 1):
+        dfs = [x.gof.df for x in tests if x.position == t and x.kind in ("position", "history")]
+        every += dfs
+        by_pos.append(stats.detectable_tv(n, dfs, level, POWER))
+    joint = [x.gof.df for x in tests if x.kind == "joint"]
+    return GenericPower(
+        n=n,
+        level=level,
+        power=POWER,
+        tv_by_position=by_pos,
+        tv_sequence=stats.detectable_tv(n, every, level, POWER, parts=workload.positions),
+        tv_joint=stats.detectable_tv(n, joint, level, POWER) if joint else None,
+    )
+
+
+def power_sentence(g: GenericPower, workload: Workload) -> str:
+    """'80% power against any deviation of prefix-averaged next-token TV >= .08/.09/.. at
+    positions 1-4, of the whole sequence's TV >= .35'."""
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    out = (
+        f"{g.power:.0%} power against any deviation of prefix-averaged next-token TV >= "
+        f"{'/'.join(f(x) for x in g.tv_by_position)} at positions 1-{workload.positions}"
+    )
+    if g.tv_joint is not None:
+        out += f", of joint (1-{workload.joint}) TV >= {f(g.tv_joint)}"
+    return out + f", of the whole tested sequence's TV >= {f(g.tv_sequence)}"
+
+
+def sequence_bound(
+    truth: Truth, texts: Sequence[str] | Mapping[str, int], n: int, alpha: float
+) -> float:
+    """One-sided (1 - alpha) bound on the TV of the whole tested sequence's distribution
+    (`stats.sequence_tv_bound` over the positions' bounds at alpha / (2 positions))."""
+    pos = truth.workload.positions
+    uppers = [
+        conditional_bound(truth, texts, t, alpha / (2 * pos)).upper for t in range(1, pos + 1)
+    ]
+    return stats.sequence_tv_bound(uppers, n, alpha)
 
 
 def _directed_tv(dd: DraftDirection, gof: GofResult, n: int, alpha: float) -> TvInterval:
@@ -679,7 +933,16 @@ def _reason(
 
 
 __all__ = [
+    "PAIR_TOKENS",
     "POWER",
+    "family_size",
+    "generic_power",
+    "history_positions",
+    "history_result",
+    "pair_length",
+    "power_sentence",
+    "seed_pair_result",
+    "sequence_bound",
     "DraftDirection",
     "Tally",
     "analyze",

@@ -49,6 +49,8 @@ def test_rows(e: EngineResult) -> list[tuple[Any, ...]]:
 
 
 def _tv_cell(x: TestResult) -> str:
+    if x.kind in ("history", "seeds"):
+        return "-"  # a test of independence: no TV of its own
     if x.kind == "directed":
         if x.gof.method == "impossible":
             return "-"
@@ -169,6 +171,25 @@ def detail_lines(e: EngineResult, prompt: str) -> list[str]:
                 f"Draft-direction test: not {d.power:.0%} power even against the draft itself "
                 f"at n = {d.n}."
             )
+    g = e.power
+    if g is not None:
+
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x:.3f}"
+
+        lines.append(
+            f"Any deviation: {g.power:.0%} power (each test at level {g.level:.2g}, n = {g.n}, "
+            f"noncentral chi-square) from a prefix-averaged next-token TV of "
+            f"{', '.join(f(x) for x in g.tv_by_position)} at positions 1-"
+            f"{len(g.tv_by_position)}"
+            + (f", a joint TV of {f(g.tv_joint)}" if g.tv_joint is not None else "")
+            + f", a TV of the whole tested sequence of {f(g.tv_sequence)}, in any direction."
+        )
+    if e.sequence_tv_bound is not None:
+        lines.append(
+            f"Whole tested sequence: TV <= {e.sequence_tv_bound:.3f} (one-sided, at "
+            f"{1 - e.alpha:.4g})."
+        )
     if e.tv_bound is not None:
         lines.append(
             f"Certified TV (largest one-sided bound, positions and joint): {e.tv_bound:.3f}, "

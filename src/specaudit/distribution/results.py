@@ -151,6 +151,27 @@ class DirectedPower:
     information: float  # null variance of one sample's score (Fisher information per sample)
 
 
+@dataclass(frozen=True)
+class GenericPower:
+    """What the omnibus tests can see at the N and alpha used, whatever the deviation's
+    direction (`stats.detectable_tv`: noncentral chi-square, each test at alpha over the Holm
+    family, Holm's first step; approximate, as that approximation is).
+
+    `tv_by_position[t - 1]`: the prefix-averaged next-token TV at position t that the
+    position's tests (the pooled test and, where contexts pool, the within-pool one) detect
+    with probability at least `power`; `tv_sequence`: the same for the TV of the whole tested
+    sequence (positions 1..P), spread over the positions in any way; `tv_joint`: the joint
+    test's (first `joint` positions), None without one.
+    """
+
+    n: int
+    level: float
+    power: float
+    tv_by_position: list[float | None]
+    tv_sequence: float | None
+    tv_joint: float | None
+
+
 @dataclass
 class SequentialResult:
     decided_by: (
@@ -194,6 +215,10 @@ class EngineResult:
     # (bounds shrink like 1/sqrt(n)); None otherwise
     samples_needed: int | None = None
     directed: DirectedPower | None = None
+    # power against a deviation in any direction, per position and for the tested sequence
+    power: GenericPower | None = None
+    # one-sided bound (at 1 - alpha) on the TV of the whole tested sequence's distribution
+    sequence_tv_bound: float | None = None
     # the llama-server verification path exercised ("plain", "greedy", "rejection", "ngram";
     # dist.runner); None for llama-speculative and a URL
     path: str | None = None
@@ -258,6 +283,7 @@ __all__ = [
     "DistError",
     "DistResult",
     "EngineResult",
+    "GenericPower",
     "ImpossibleOutcome",
     "ProgressFn",
     "Sample",

@@ -18,6 +18,7 @@ distinct texts are all that is kept.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -29,6 +30,7 @@ from specaudit.distribution.analysis import (
     certified_bounds,
     draft_score,
     evidence_sentence,
+    family_size,
 )
 from specaudit.distribution.results import (
     DEFAULT_ALPHA,
@@ -42,8 +44,12 @@ from specaudit.distribution.results import (
 from specaudit.distribution.truth import Truth, describe, encode_text, stratum_key
 from specaudit.stats import Verdict
 
-SEQUENTIAL_FIRST_LOOK = 25  # interim looks at 25, 50, 100, 200, ... samples
+SEQUENTIAL_FIRST_LOOK = 25  # interim looks at 25, 50, 100, 200, ... samples, and at the last
 E_SHARE = 0.5  # of alpha, to the e-process; the rest is spent over the looks' fixed tests
+SPENDING = "pocock"  # Lan-DeMets spending by information fraction (stats.spent_alpha)
+MC_RESOLUTION = 10  # a look's Monte-Carlo floor: its level / (family size x this)
+MC_STOP_HITS = 20  # sequential Monte-Carlo (stats.mc_pvalue): stop at this many hits
+MC_CAP = 2_000_000  # most draws per Monte-Carlo p-value at a look
 
 
 def replay_sequential(
@@ -96,6 +102,8 @@ class Sequential:
         self.evidence: list[ImpossibleOutcome] = []
         self.looks = 0
         self.next_look = SEQUENTIAL_FIRST_LOOK
+        self.last_look_n = 0
+        self.look_draws = 0  # Monte-Carlo draws allowed per p-value at the last look
         self.tv_uppers: list[float] = []
         self.verdict = Verdict.INCONCLUSIVE
         self.decided_by = "max-samples"
@@ -127,20 +135,33 @@ class Sequential:
         if n >= self.next_look or n >= self.max_samples:
             self.looks += 1
             self.next_look *= 2
-            level = stats.alpha_spending(self.looks, (1.0 - E_SHARE) * self.alpha)
-            fixed = analyze(
-                truth.spec, self.workload, self.tally, alpha=level, mc_draws=self.mc_draws
+            prev, self.last_look_n = self.last_look_n, n
+            top = max(self.max_samples, n)
+            level = stats.look_level(prev, n, top, (1.0 - E_SHARE) * self.alpha, SPENDING)
+            # the floor of a Monte-Carlo p-value must lie well below what Holm's first step
+            # needs at this level; sequential draws make that cheap where evidence is weak
+            self.look_draws = int(
+                min(MC_CAP, max(self.mc_draws, math.ceil(MC_RESOLUTION * self.family / level)))
             )
+            fixed = analyze(
+                truth.spec, self.workload, self.tally, alpha=level, mc_draws=self.look_draws,
+                mc_stop_hits=MC_STOP_HITS,
+            )  # fmt: skip
             if fixed.verdict is Verdict.BROKEN:
                 self.verdict, self.decided_by = Verdict.BROKEN, "fixed-look"
                 self.look_level = level
                 return True
-            a = stats.alpha_spending(self.looks, self.alpha)
+            a = stats.look_level(prev, n, top, self.alpha, SPENDING)
             self.tv_uppers = [b.upper for b in certified_bounds(truth, self.tally.texts, a)]
             if all(u <= self.tolerance for u in self.tv_uppers):
                 self.verdict, self.decided_by = Verdict.WITHIN_TOLERANCE, "tv-bound"
                 return True
         return False
+
+    @functools.cached_property
+    def family(self) -> int:
+        """Tests in a look's Holm family (positions, joint, draft direction, history, seeds)."""
+        return family_size(self.truth)
 
     @property
     def log_e(self) -> float:
@@ -183,9 +204,10 @@ class Sequential:
         if self.decided_by == "fixed-look":
             return (
                 f"after {n} samples (look {self.looks}) the fixed-sample tests reject at the "
-                f"look's spent level {self.look_level:.2g} (group-sequential: alpha/2 spent "
-                f"over looks at {SEQUENTIAL_FIRST_LOOK}, {2 * SEQUENTIAL_FIRST_LOOK}, "
-                f"{4 * SEQUENTIAL_FIRST_LOOK}, ... samples)"
+                f"look's spent level {self.look_level:.2g} (group-sequential: alpha/2 spent by "
+                f"information fraction, {SPENDING}-type, over looks at "
+                f"{SEQUENTIAL_FIRST_LOOK}, {2 * SEQUENTIAL_FIRST_LOOK}, ... and "
+                f"{self.max_samples} samples)"
             )
         if self.decided_by == "tv-bound":
             return (
@@ -203,4 +225,13 @@ class Sequential:
         )
 
 
-__all__ = ["E_SHARE", "SEQUENTIAL_FIRST_LOOK", "Sequential", "replay_sequential"]
+__all__ = [
+    "E_SHARE",
+    "MC_CAP",
+    "MC_RESOLUTION",
+    "MC_STOP_HITS",
+    "SEQUENTIAL_FIRST_LOOK",
+    "SPENDING",
+    "Sequential",
+    "replay_sequential",
+]

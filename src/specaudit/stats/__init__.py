@@ -44,7 +44,7 @@ here, so `from specaudit import stats; stats.X` works for every X.
 
 from __future__ import annotations
 
-from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult, TvBound, TvInterval
+from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult, TvBound, TvInterval, mc_pvalue
 from specaudit.stats.directed import MC_BUDGET, SKEW_LIMIT, directed_test, min_detectable_shift
 from specaudit.stats.gof import (
     EXACT_LIMIT,
@@ -55,18 +55,45 @@ from specaudit.stats.gof import (
     pool_sparse,
     stratified_gof,
 )
+from specaudit.stats.homogeneity import (
+    PAIR_MC_BUDGET,
+    g_independence,
+    homogeneity_test,
+    pair_independence_test,
+)
+from specaudit.stats.power import detectable_noncentrality, detectable_tv
 from specaudit.stats.sequential import DIRECTED_LAMBDAS, DirectedEProcess, EProcess, mixed_log_e
 from specaudit.stats.tv import (
     clopper_pearson,
     conditional_tv_bound,
     deviation_bound,
     samples_needed,
+    sequence_tv_bound,
     tv_distance,
     tv_interval,
 )
-from specaudit.stats.verdicts import Verdict, alpha_spending, decide, holm
+from specaudit.stats.verdicts import (
+    SPENDING,
+    Verdict,
+    alpha_spending,
+    decide,
+    holm,
+    look_level,
+    spent_alpha,
+)
 
 __all__ = [
+    "PAIR_MC_BUDGET",
+    "SPENDING",
+    "detectable_noncentrality",
+    "detectable_tv",
+    "g_independence",
+    "homogeneity_test",
+    "look_level",
+    "mc_pvalue",
+    "pair_independence_test",
+    "sequence_tv_bound",
+    "spent_alpha",
     "DIRECTED_LAMBDAS",
     "EXACT_LIMIT",
     "MC_BUDGET",

@@ -11,7 +11,7 @@ import numpy as np
 from scipy import optimize
 from scipy import stats as st
 
-from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult
+from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult, mc_pvalue
 
 __all__ = ["MC_BUDGET", "SKEW_LIMIT", "directed_test", "min_detectable_shift"]
 
@@ -28,6 +28,7 @@ def directed_test(
     contexts: int = 0,
     method: str = "auto",
     mc_draws: int = MC_DRAWS,
+    mc_stop_hits: int = 0,
     seed: int = 0,
 ) -> GofResult:
     """One-sided test that a total score is too large: `observed` = sum of n independent
@@ -40,6 +41,7 @@ def directed_test(
     simulated (`mc_draws` totals, fixed seed), p = (1 + hits) / (1 + draws), and beyond every
     simulation the Bernstein bound exp(-t^2 / (2 (n var + b t / 3))) (b the largest score) if
     smaller: valid at every level. `statistic` is z = observed / sqrt(n var).
+    `mc_stop_hits` > 0: sequential Monte-Carlo (`mc_pvalue`), up to `mc_draws` draws.
     """
     if method not in ("auto", "normal", "monte-carlo"):
         raise ValueError(f"unknown method {method!r}")
@@ -63,23 +65,20 @@ def directed_test(
         method = "normal" if skew <= SKEW_LIMIT or cost > MC_BUDGET else "monte-carlo"
     if method == "normal":
         return GofResult(z, 1, max(float(st.norm.sf(z)), TINY_P), "normal", n, contexts, min_e)
-    rng = np.random.default_rng(seed)
     tol = 1e-9 * max(1.0, abs(t))
-    hits = 0
-    done = 0
     chunk = max(1, int(2e6 // max(1, min(len(v), n))))
     cum = np.cumsum(pi)
     cum[-1] = 1.0
-    while done < mc_draws:
-        m = min(chunk, mc_draws - done)
+
+    def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
         if len(v) <= n:
-            sims = rng.multinomial(n, pi, size=m) @ v
-        else:
-            idx = np.searchsorted(cum, rng.random((m, n)), side="right")
-            sims = v[np.minimum(idx, len(v) - 1)].sum(axis=1)
-        hits += int(np.count_nonzero(sims >= t - tol))
-        done += m
-    p_value = (1 + hits) / (1 + mc_draws)
+            return np.asarray(rng.multinomial(n, pi, size=m) @ v)
+        idx = np.searchsorted(cum, rng.random((m, n)), side="right")
+        return np.asarray(v[np.minimum(idx, len(v) - 1)].sum(axis=1))
+
+    p_value, _, hits = mc_pvalue(
+        t - tol, simulate, mc_draws, stop_hits=mc_stop_hits, seed=seed, chunk=chunk
+    )
     if hits == 0 and t > 0:
         b = float(v.max())
         bern = math.exp(-(t * t) / (2.0 * (n * var + b * t / 3.0)))

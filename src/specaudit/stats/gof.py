@@ -12,7 +12,7 @@ import numpy as np
 from scipy import special
 from scipy import stats as st
 
-from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult, normalise
+from specaudit.stats.base import MC_DRAWS, TINY_P, GofResult, mc_pvalue, normalise
 
 __all__ = [
     "EXACT_LIMIT",
@@ -111,6 +111,7 @@ def stratified_gof(
     min_expected: float = MIN_EXPECTED,
     exact_limit: int = EXACT_LIMIT,
     mc_draws: int = MC_DRAWS,
+    mc_stop_hits: int = 0,
     seed: int = 0,
 ) -> GofResult:
     """G-test of several independent multinomials, each against its own known distribution.
@@ -118,7 +119,9 @@ def stratified_gof(
     `strata` is a list of (observed counts, true probabilities) over the same or different
     cells. `method`: "auto" (asymptotic if every expected count >= `min_expected`, else exact
     for one enumerable stratum, else Monte-Carlo), or force "g-test", "pooled", "exact",
-    "monte-carlo". Monte-Carlo uses a fixed `seed`, so results are reproducible.
+    "monte-carlo". Monte-Carlo uses a fixed `seed`, so results are reproducible;
+    `mc_stop_hits` > 0 makes it sequential (`mc_pvalue`: up to `mc_draws` draws, stopping at
+    that many hits), so a large `mc_draws` costs little unless the statistic is extreme.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
@@ -185,17 +188,30 @@ def stratified_gof(
         return GofResult(g, df, pv, "exact", n_used, 1, min_e, log10_p=log10_p)
 
     # Monte-Carlo: simulate the summed G statistic under the null.
-    rng = np.random.default_rng(seed)
     g_obs = 0.0
-    sims = np.zeros(mc_draws)
     for o, p in cleaned:
-        n = int(o.sum())
-        logp = np.log(p)
-        g_obs += float(_g_rows(o[None, :], logp, n)[0])
-        sims += _g_rows(rng.multinomial(n, p, size=mc_draws), logp, n)
+        g_obs += float(_g_rows(o[None, :], np.log(p), int(o.sum()))[0])
     tol = 1e-9 * max(1.0, abs(g_obs))
-    hits = int(np.count_nonzero(sims >= g_obs - tol))
-    p_value = (1 + hits) / (mc_draws + 1)
+    if mc_stop_hits > 0:
+
+        def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
+            sims = np.zeros(m)
+            for o, p in cleaned:
+                n = int(o.sum())
+                sims += _g_rows(rng.multinomial(n, p, size=m), np.log(p), n)
+            return sims
+
+        p_value, _, hits = mc_pvalue(
+            g_obs - tol, simulate, mc_draws, stop_hits=mc_stop_hits, seed=seed, chunk=2000
+        )
+    else:
+        rng = np.random.default_rng(seed)
+        sims = np.zeros(mc_draws)
+        for o, p in cleaned:
+            n = int(o.sum())
+            sims += _g_rows(rng.multinomial(n, p, size=mc_draws), np.log(p), n)
+        hits = int(np.count_nonzero(sims >= g_obs - tol))
+        p_value = (1 + hits) / (mc_draws + 1)
     if hits == 0:
         # Beyond every simulation: the simulated p-value is only a floor. The method of types
         # bounds the tail exactly: P(G/2 >= t) <= (number of possible count vectors) * e^-t.

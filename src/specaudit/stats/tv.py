@@ -19,6 +19,7 @@ __all__ = [
     "conditional_tv_bound",
     "deviation_bound",
     "samples_needed",
+    "sequence_tv_bound",
     "tv_distance",
     "tv_interval",
 ]
@@ -190,3 +191,20 @@ def samples_needed(n: int, upper: float, tolerance: float) -> int:
     if upper <= tolerance:
         return n
     return int(math.ceil(n * (upper / tolerance) ** 2))
+
+
+def sequence_tv_bound(uppers: Sequence[float], n: int, alpha: float) -> float:
+    """Upper bound, at confidence 1 - alpha, on the TV between the engine's and the target's
+    distribution of the whole sequence of tested positions, from per-position bounds
+    `uppers` on the prefix-averaged next-token TV (observed prefixes' weights) that hold
+    together at 1 - alpha / 2.
+
+    Why: TV of a sequence is at most the sum over positions of the expected next-token TV
+    given the engine's prefix (the hybrid argument: swap one position's conditional at a
+    time). The observed prefixes' average g of sum_t TV_t, a mean of n i.i.d. values in
+    [0, P] (P positions), is within P sqrt(ln(2 / alpha) / 2n) of its expectation with
+    probability 1 - alpha / 2 (Hoeffding). At most 1."""
+    if n <= 0 or not uppers:
+        return 1.0
+    margin = len(uppers) * math.sqrt(math.log(2.0 / alpha) / (2.0 * n))
+    return float(min(1.0, sum(uppers) + margin))

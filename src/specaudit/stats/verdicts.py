@@ -7,9 +7,11 @@ import math
 from collections.abc import Sequence
 from enum import StrEnum
 
+from scipy import stats as st
+
 from specaudit.outcome import Outcome
 
-__all__ = ["Verdict", "alpha_spending", "decide", "holm"]
+__all__ = ["SPENDING", "Verdict", "alpha_spending", "decide", "holm", "look_level", "spent_alpha"]
 
 
 class Verdict(StrEnum):
@@ -66,3 +68,34 @@ def decide(
 def alpha_spending(look: int, alpha: float) -> float:
     """Error budget of the `look`-th (1-based) interim analysis: sums to alpha over all looks."""
     return alpha * 6.0 / (math.pi**2 * look * look)
+
+
+SPENDING = ("pocock", "obrien-fleming")
+
+
+def spent_alpha(fraction: float, alpha: float, kind: str = "pocock") -> float:
+    """Lan-DeMets alpha-spending: the error budget spent by information fraction `fraction`
+    (samples so far / the maximum): 0 at 0, alpha at 1. "pocock": alpha ln(1 + (e - 1) t),
+    which spends early (power at interim looks); "obrien-fleming": 2 - 2 Phi(z_{1-alpha/2} /
+    sqrt(t)), which keeps almost all of alpha for the end."""
+    t = min(1.0, max(0.0, fraction))
+    if t <= 0:
+        return 0.0
+    if kind == "pocock":
+        return alpha * math.log(1.0 + (math.e - 1.0) * t)
+    if kind == "obrien-fleming":
+        return float(2.0 * st.norm.sf(st.norm.isf(alpha / 2.0) / math.sqrt(t)))
+    raise ValueError(f"unknown spending function {kind!r} (one of {', '.join(SPENDING)})")
+
+
+def look_level(previous: int, now: int, maximum: int, alpha: float, kind: str = "pocock") -> float:
+    """The level of a look after `now` samples when the previous look was after `previous`, of
+    at most `maximum`: what the spending function spends between the two. Summed over any
+    looks these levels never exceed alpha (a union bound over the looks: valid whatever the
+    looks' correlation, and the maximum known in advance makes the fractions exact)."""
+    if maximum <= 0:
+        raise ValueError("the maximum number of samples must be positive")
+    return max(
+        0.0,
+        spent_alpha(now / maximum, alpha, kind) - spent_alpha(previous / maximum, alpha, kind),
+    )
