@@ -55,7 +55,9 @@ def test_a_reference_without_slots_is_refused() -> None:
 
 def test_a_reference_that_is_not_a_llama_server_is_refused() -> None:
     with pytest.raises(RescoreError, match="not a llama-server"):
-        _prepare({"/slots": [{"id": 0}], "/v1/models": {"data": [{"id": "x"}]}})
+        _prepare(
+            {"/slots": [{"id": 0, "speculative": False}], "/v1/models": {"data": [{"id": "x"}]}}
+        )
 
 
 def test_top_k_beyond_what_a_reference_returns_is_refused() -> None:

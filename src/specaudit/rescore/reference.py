@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
 from specaudit.distribution.engines import SAMPLER_CHAIN
 from specaudit.fixtures import SamplerSettings
@@ -174,19 +175,19 @@ class Reference:
         """Refuse a reference that speculates or is not a llama-server; size the requests to
         the sampler's support. Returns the reference's model identity."""
         try:
-            body = await self._client.get("/slots")
-            slots = body.get("_list") if isinstance(body, dict) else body
+            info = await speculation.aread(self._client)
         except ClientError as e:
+            raise RescoreError(f"cannot reach the reference: {e}") from None
+        if info.slots.total is None:
             raise RescoreError(
-                f"cannot read the reference's /slots ({e}): specaudit needs it to prove the "
-                "reference does not speculate (start it without --no-slots)"
-            ) from None
-        if not isinstance(slots, list) or not slots:
-            raise RescoreError("the reference's /slots is not a list of slots")
-        if any(isinstance(s, dict) and s.get("speculative") is True for s in slots):
+                f"cannot read the reference's /slots ({info.slots.note}): specaudit needs it "
+                "to prove the reference does not speculate (start it without --no-slots)"
+            )
+        if info.speculates:
             raise RescoreError(
-                f"the reference {self.url} speculates (/slots says speculative: true); serve "
-                "the same model without a draft or --spec-type"
+                f"the reference {self.url} speculates (/slots says {info.slots.speculative} of "
+                f"{info.slots.total} slots speculate); serve the same model without a draft or "
+                "--spec-type"
             )
         try:
             ident = identity_from_models(await self._client.get("/v1/models"))
@@ -282,11 +283,9 @@ def slots_of(url: str, timeout: float = 10.0) -> int:
     """How many parallel slots a llama-server has (1 when it does not say)."""
     try:
         with Client(url, timeout=timeout) as c:
-            body = c.get("/slots")
+            return speculation.read(c).parallel
     except ClientError:
         return 1
-    slots = body.get("_list") if isinstance(body, dict) else body
-    return len(slots) if isinstance(slots, list) and slots else 1
 
 
 __all__ = [
