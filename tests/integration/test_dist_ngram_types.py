@@ -18,6 +18,7 @@ next request.
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -137,3 +138,16 @@ def test_dist_cli_runs_the_ngram_paths_and_shows_the_coverage_table(cli: CliFn) 
     for t, paths, _ in coverage.SPEC_TYPES:  # every --spec-type, covered or not
         cell = r"yes \| [\w-]+" if paths else r"no \| - \| - \|"
         assert re.search(rf"^\| {t} \| {cell}", out, re.M), t
+
+
+def test_the_coverage_table_has_every_spec_type_the_server_accepts(
+    llama_bins: LlamaBinaries,
+) -> None:
+    """`coverage.SPEC_TYPES` against the built llama-server's own list (its --help): a type
+    added upstream, or one the table invents, fails here."""
+    help_text = subprocess.run(
+        [str(llama_bins.server), "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    m = re.search(r"^--spec-type ([\w,-]+)", help_text, re.M)
+    assert m is not None, help_text[-2000:]
+    assert sorted(m[1].split(",")) == sorted(t for t, _, _ in coverage.SPEC_TYPES)
