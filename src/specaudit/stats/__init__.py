@@ -36,10 +36,21 @@ Why these choices:
   stopping the first time it exceeds 1/alpha keeps the false-alarm rate at most alpha however
   often one looks.
 
-Where each part lives: `base` (result types, shared constants), `gof` (goodness of fit), `tv`
-(TV intervals and certified bounds), `directed` (the directed score test), `verdicts` (Holm,
-the decision rule, `Verdict`), `sequential` (e-processes). Everything public is re-exported
-here, so `from specaudit import stats; stats.X` works for every X.
+- **Full history and seeds**: within a pool of contexts that share a true distribution, is the
+  token independent of the context (`homogeneity_test`)? Are consecutive seeds' samples
+  independent (`pair_independence_test`)? Both have exact Monte-Carlo references from the
+  known null; `mc_pvalue` can stop at a number of hits (Besag-Clifford), so a floor far below
+  a small level is cheap where the evidence is weak.
+- **Group-sequential spending**: by information fraction (`spent_alpha`, `look_level`:
+  Lan-DeMets Pocock- or O'Brien-Fleming-type), since the maximum sample size is known.
+- **Power against any deviation**: `detectable_tv`, from the noncentral chi-square and
+  TV <= sqrt(chi2) / 2.
+
+Where each part lives: `base` (result types, shared constants, `mc_pvalue`), `gof` (goodness of
+fit), `tv` (TV intervals and certified bounds), `directed` (the directed score test),
+`homogeneity` (history and seed independence), `power` (detectable TV), `verdicts` (Holm, the
+decision rule, `Verdict`, alpha spending), `sequential` (e-processes). Everything public is
+re-exported here, so `from specaudit import stats; stats.X` works for every X.
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ def decide(
 
 
 def alpha_spending(look: int, alpha: float) -> float:
-    """Error budget of the `look`-th (1-based) interim analysis: sums to alpha over all looks."""
+    """Error budget of the `look`-th (1-based) interim analysis: sums to alpha over all looks.
+    For an unknown number of looks; with a known maximum `look_level` spends by information
+    fraction, which leaves far more to the looks that have the data (sequential mode's)."""
     return alpha * 6.0 / (math.pi**2 * look * look)
 
 
