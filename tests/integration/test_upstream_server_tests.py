@@ -34,6 +34,7 @@ LOGPROBS_IDS = (
 )
 SPEC_LOGPROBS_FILE = PATCH_TESTS["spec-logprobs"].path
 EXAMPLE_FILE = PATCH_TESTS["speculative-fix"].path
+SPECULATIVE_KEYWORD = "synth or slot_ctx"
 EXAMPLE_SAMPLED = f"{EXAMPLE_FILE}::test_speculative_example_drafts_are_sampled"
 
 
@@ -45,18 +46,23 @@ def _in_file(run: UpstreamRun, path: str) -> list[str]:
 def runs(
     llama_bins: LlamaBinaries, patched_bins: LlamaBinaries, gemma_path: Path
 ) -> Iterator[dict[str, UpstreamRun]]:
-    """stock plain, stock forced to speculate, spec-logprobs forced to speculate (upstream's
-    logprobs tests, test_speculative.py, spec-logprobs' test), and the llama-speculative test
-    of speculative-fix on stock and fixed binaries. Every run has the test files of both
+    """Upstream's logprobs tests on stock plain; those, test_speculative.py and
+    spec-logprobs' test on stock and spec-logprobs forced to speculate; speculative-fix's
+    llama-speculative test on stock and fixed binaries. Every run has the test files of both
     bundled patches in its copy."""
     fix_bins = llama.ensure(patches=resolve_all((presets.SPECULATIVE_FIX,)))
     tests_of = resolve_all(tuple(PATCH_TESTS))
-    common = (*LOGPROBS, *SPECULATIVE, PATCH_TESTS["spec-logprobs"])
+    spec_logprobs = (PATCH_TESTS["spec-logprobs"],)
     example = (PATCH_TESTS["speculative-fix"],)
+    # test_speculative.py's cases that stock passes with Gemma as its own draft, but
+    # test_with_ctx_shift (256 tokens: minutes on 2 cores; `specaudit llama upstream-tests`
+    # runs it). The others compare generated text with the stories models' (a regex, equal
+    # tokens across draft settings) and fail on stock too (docs/upstream-server-tests.md)
+    speculative = (upstream.Selection(SPECULATIVE[0].path, SPECULATIVE_KEYWORD),)
     plan = (
-        ("stock-plain", llama_bins, common, False),
-        ("stock-spec", llama_bins, common + example, True),
-        ("patched-spec", patched_bins, common, True),
+        ("stock-plain", llama_bins, LOGPROBS, False),
+        ("stock-spec", llama_bins, (*LOGPROBS, *speculative, *spec_logprobs, *example), True),
+        ("patched-spec", patched_bins, (*LOGPROBS, *speculative, *spec_logprobs), True),
         ("fixed-example", fix_bins, example, True),
     )
     done: dict[str, UpstreamRun] = {}
@@ -124,8 +130,7 @@ def test_patched_passes_test_speculative_wherever_stock_does(
     runs: dict[str, UpstreamRun],
 ) -> None:
     path = SPECULATIVE[0].path
-    stock_passed = set(_in_file(runs["stock-plain"], path)) & set(runs["stock-plain"].passed)
-    stock_passed |= set(_in_file(runs["stock-spec"], path)) & set(runs["stock-spec"].passed)
+    stock_passed = set(_in_file(runs["stock-spec"], path)) & set(runs["stock-spec"].passed)
     assert stock_passed
     for nodeid in stock_passed:
         assert runs["patched-spec"].outcome(nodeid) == "passed", nodeid

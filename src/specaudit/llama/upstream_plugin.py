@@ -11,7 +11,8 @@ module before their conftest or any test module imports from it:
 - `download_file` returns the local file (upstream's draft models, LoRA and media URLs all
   become that file; only model URLs are in the selections specaudit runs);
 - `ServerPreset.load_all` (which starts every preset once to download its model) does nothing;
-- each server binds 127.0.0.1 on a free port (the kernel's choice), retried if taken;
+- each server binds 127.0.0.1 on a free port (the kernel's choice), retried if taken, and
+  upstream's readiness probe waits 0.2 s between tries instead of spinning every 10 ms;
 - with a draft set, every server that would not speculate gets it as ``--model-draft`` with
   ``--spec-type draft-simple`` (a server a test already set up to speculate keeps its own
   settings);
@@ -40,6 +41,7 @@ ENV_MODEL = "SPECAUDIT_UPSTREAM_MODEL"
 ENV_DRAFT = "SPECAUDIT_UPSTREAM_DRAFT"
 ENV_RESULTS = "SPECAUDIT_UPSTREAM_RESULTS"
 START_ATTEMPTS = 3
+HEALTH_POLL = 0.2  # seconds between upstream's readiness probes
 
 _utils: Any = None
 _reports: dict[str, dict[str, Any]] = {}
@@ -87,6 +89,23 @@ def _install(utils: Any, model: str, draft: str | None) -> None:
     """Patch upstream's `utils` module in place (see the module docstring)."""
     utils.ServerPreset.load_all = staticmethod(lambda: None)
     utils.download_file = lambda url, output_file_path=None: model
+
+    original_request = utils.ServerProcess.make_request
+
+    def make_request(self: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        # upstream polls /health every 10 ms while the model loads: on 2 cores that spinning
+        # client takes a core from the loading server
+        try:
+            res = original_request(self, method, path, *args, **kwargs)
+        except Exception:
+            if path == "/health":
+                time.sleep(HEALTH_POLL)
+            raise
+        if path == "/health" and res.status_code != 200:
+            time.sleep(HEALTH_POLL)
+        return res
+
+    utils.ServerProcess.make_request = make_request
 
     original_start = utils.ServerProcess.start
 
