@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from specaudit.llama import upstream
+from specaudit.llama import upstream, upstream_plugin
 from specaudit.llama.patches import DEFAULT_BUILD, resolve, resolve_all
 from specaudit.llama.upstream import PATCH_TESTS, TESTS_DIR, Selection
 
@@ -51,3 +52,44 @@ def test_the_command_refuses_a_bad_selection_in_one_line(cli: CliFn) -> None:
     code, out, err = cli("llama", "upstream-tests", "--select", "../../etc/passwd.py")
     assert code == 2
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def _server(**kw: object) -> SimpleNamespace:
+    base: dict[str, object] = {
+        "model_hf_repo": "ggml-org/models",
+        "model_hf_file": "tinyllamas/stories260K.gguf",
+        "model_url": None,
+        "model_file": None,
+        "model_draft": None,
+        "spec_type": None,
+        "offline": False,
+        "server_host": "127.0.0.1",
+        "server_port": 8080,
+    }
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_forcing_gives_a_plain_server_its_local_model_as_draft() -> None:
+    srv = _server()
+    upstream_plugin._localise(srv, "/m.gguf", "/m.gguf")
+    assert (srv.model_file, srv.model_hf_repo, srv.model_hf_file) == ("/m.gguf", None, None)
+    assert (srv.model_draft, srv.spec_type, srv.offline) == ("/m.gguf", "draft-simple", True)
+    assert srv.server_port != 8080
+
+
+def test_without_forcing_a_plain_server_stays_plain() -> None:
+    srv = _server()
+    upstream_plugin._localise(srv, "/m.gguf", None)
+    assert srv.model_file == "/m.gguf" and srv.model_draft is None and srv.spec_type is None
+
+
+def test_a_server_a_test_made_speculate_keeps_its_settings() -> None:
+    srv = _server(spec_type="ngram-mod")
+    upstream_plugin._localise(srv, "/m.gguf", "/m.gguf")
+    assert srv.spec_type == "ngram-mod" and srv.model_draft is None
+
+
+def test_a_server_without_a_model_is_not_given_one() -> None:
+    srv = _server(model_hf_repo=None, model_hf_file=None)  # upstream's router preset
+    upstream_plugin._localise(srv, "/m.gguf", "/m.gguf")
+    assert srv.model_file is None and srv.model_draft is None
