@@ -6,3 +6,27 @@ server they run in production. Here every token an engine samples is re-scored b
 next-token distribution given the exact token-id prefix. `records` holds the per-token value
 every part shares (the sampler fills it, the statistics and the fidelity check read it).
 """
+
+from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms
+from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.rescore.runner import (
+    DEFAULT_PROMPTS,
+    RescoreRequest,
+    RescoreResult,
+    make_request,
+    run,
+)
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "NextToken",
+    "RescoreError",
+    "RescoreRequest",
+    "RescoreResult",
+    "RescoreStats",
+    "TokenDraw",
+    "analyse",
+    "make_request",
+    "null_false_alarms",
+    "run",
+]

@@ -1,0 +1,124 @@
+"""Cost of re-scoring: sampling alone vs sampling plus re-scoring, side by side on Gemma 3 270M.
+
+The engine under test is Gemma speculating with itself as its draft (``--spec-type
+draft-simple``); the reference is a plain llama-server on the same file. Each round runs both
+arms on the same seeds (a fresh seed range per round, so no prompt cache carries over), in an
+order that alternates from round to round, so load changes hit both alike:
+
+- ``sampling``: the engine's samples alone (`rescore.sampling.ServerSampler`, the same
+  concurrency as a re-scored run);
+- ``rescored``: `rescore.run`: the same samples, and a reference request for every sampled
+  token whose prefix is new (prefix cache, prompt cache, interleaved with sampling).
+
+Goal (docs/rescore.md): the re-scored run takes at most 2x sampling alone.
+
+    .venv/bin/python benchmarks/bench_rescore.py [--rounds 5] [--seeds 20] [--tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+
+from specaudit import llama, models
+from specaudit.fixtures import SamplerSettings
+from specaudit.llama import LlamaServer
+from specaudit.rescore import runner
+from specaudit.rescore.reference import Reference
+from specaudit.rescore.sampling import ServerSampler
+
+SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
+
+
+async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> float:
+    """Seconds to draw every (seed, prompt) sample from the engine, `conc` at a time."""
+    async with Reference(ref_url, SAMPLER) as ref:  # tokenises the prompts, untimed
+        prompts = [await ref.tokenize(p) for p in runner.DEFAULT_PROMPTS]
+    smp = ServerSampler(url, SAMPLER, tokens, concurrency=conc)
+    sem = asyncio.Semaphore(conc)
+
+    async def one(seed: int, p: int) -> None:
+        async with sem:
+            await smp.sample(p, prompts[p], seed)
+
+    t0 = time.monotonic()
+    try:
+        await asyncio.gather(*(one(s, p) for s in seeds for p in range(len(prompts))))
+    finally:
+        await smp.aclose()
+    return time.monotonic() - t0
+
+
+def rescored(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> tuple[float, int]:
+    req = runner.make_request(
+        url,
+        reference_url=ref_url,
+        seeds=len(seeds),
+        seed_start=seeds.start,
+        tokens=tokens,
+        sampler=SAMPLER,
+        concurrency=conc,
+    )
+    t0 = time.monotonic()
+    res = runner.run(req)
+    if res.error or res.stats is None:
+        raise RuntimeError(res.error)
+    return time.monotonic() - t0, res.reference_requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=20, help="seeds per prompt per round")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args(argv)
+    bins = llama.ensure()
+    gemma = models.gemma_270m().path
+    conc = args.concurrency
+    eng = LlamaServer(
+        bins, gemma, draft=gemma, spec_type="draft-simple", parallel=2, ctx_size=8192,
+        name="engine",
+    )  # fmt: skip
+    ref = LlamaServer(bins, gemma, parallel=2, ctx_size=8192, name="reference")
+    times: dict[str, list[float]] = {"sampling": [], "rescored": []}
+    reqs: list[int] = []
+    with eng, ref:
+        for r in range(args.rounds):
+            seeds = range(1 + r * args.seeds, 1 + (r + 1) * args.seeds)
+            arms = ["sampling", "rescored"] if r % 2 == 0 else ["rescored", "sampling"]
+            for arm in arms:
+                if arm == "sampling":
+                    t = asyncio.run(sample_only(eng.url, ref.url, seeds, args.tokens, conc))
+                else:
+                    t, n = rescored(eng.url, ref.url, seeds, args.tokens, conc)
+                    reqs.append(n)
+                times[arm].append(t)
+            print(
+                f"round {r + 1}: sampling {times['sampling'][-1]:.2f} s, "
+                f"rescored {times['rescored'][-1]:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    n_tok = args.seeds * len(runner.DEFAULT_PROMPTS) * args.tokens
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"\nGemma 3 270M, draft-simple with itself; {args.seeds} seeds x "
+        f"{len(runner.DEFAULT_PROMPTS)} prompts x {args.tokens} tokens = {n_tok} tokens per "
+        f"round, concurrency {conc}, {args.rounds} rounds\n"
+    )
+    print("| arm | median s | min-max s | reference requests |")
+    print("|---|---|---|---|")
+    for k, v in times.items():
+        rq = f"{statistics.median(reqs):.0f}" if k == "rescored" else "0"
+        print(f"| {k} | {med[k]:.2f} | {min(v):.2f}-{max(v):.2f} | {rq} |")
+    ratio = med["rescored"] / med["sampling"]
+    print(f"\nrescored / sampling = {ratio:.2f} (goal <= 2)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
