@@ -161,6 +161,7 @@ class RescoreStats:
     g_prefixes: int
     g_p: float
     e_value: float
+    crossed_at: int | None  # draws until the e-process first reached 1/alpha (None: never)
     ks_detectable: float
     directed_detectable: float
     alpha: float
@@ -228,8 +229,10 @@ def analyse(
     if n:
         both = np.logaddexp(hist_log_e(np.array(u_all)), bet_log_e(h, ps)) - math.log(2)
         e_value = math.exp(min(float(np.max(both)), 700.0))
+        over = np.nonzero(both >= math.log(1 / alpha))[0]
+        crossed_at = int(over[0]) + 1 if len(over) else None
     else:
-        e_value = 1.0
+        e_value, crossed_at = 1.0, None
     ks_d, dir_d = ks_detectable(len(us), level), directed_detectable(ps, level)
     power = (
         f"over {n} tokens, a change that moves at least {ks_d:.1%} of each step's probability "
@@ -265,7 +268,7 @@ def analyse(
         verdict=verdict, reason=reason, power=power, tokens=n, impossible=impossible,
         ks_p=ks_p, directed_p=directed_p, favourite_rate=k / n if n else 0.0,
         favourite_expected=float(ps.mean()) if n else 0.0, g_prefixes=m, g_p=g_p,
-        e_value=e_value, ks_detectable=ks_d, directed_detectable=dir_d, alpha=alpha,
+        e_value=e_value, crossed_at=crossed_at, ks_detectable=ks_d, directed_detectable=dir_d, alpha=alpha,
         per_position=per_pos, prefix_tests=prefix_tests, u=us,
     )  # fmt: skip
 
