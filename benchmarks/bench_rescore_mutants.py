@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{build}: {row['fixture']['verdict']} / {row['gemma']['verdict']} "
                 f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
             rows.append(row)
+            if args.json:  # after every row: a cut-off run keeps what it measured
+                args.json.write_text(json.dumps(rows, indent=2))
     print(table(rows, args.fixture_seeds * 4, args.gemma_tokens))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
