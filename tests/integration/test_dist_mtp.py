@@ -1,0 +1,183 @@
+"""MTP (``--spec-type draft-mtp``) under `dist`, on real llama-servers and the mtp fixture.
+
+The mtp fixture (`fixtures.mtp_spec`) is a glm4moe whose one multi-token-prediction layer
+drafts with no draft model: llama-server builds a second, MTP-type context on the target
+itself, and the target computes a hidden state for every row of every batch and picks its
+logit rows after the final norm, code no other path runs. Its target distribution and its
+MTP head are closed forms (`fixtures.reference.mtp_head`), and with greedy drafts even the
+drafted/accepted counts of each sample are (`fixtures.mtp_greedy_counts`).
+
+Three MTP-specific mutants (src/specaudit/patches/llama.cpp/b11434/mutants/mtp-*.patch): a
+probabilistic MTP draft proposing its argmax while reporting what it sampled from, and one
+whose sampler is reset (reseeded) before every draft, so the proposal is a fixed quantile of q
+rather than a draw from it: both BROKEN on mtp-rejection. And the MTP head handed the last
+verified row's hidden state instead of the last accepted one's: that leaves the output
+distribution exactly alone (a draft is only a proposal: sample-and-match emits the target's
+own draw, rejection sampling is exact for any proposal drawn from the q it reports), so `dist`
+must call it PRESERVED; the per-sample counts give it away. (Dropping the target's pick of
+its logit rows after the final norm is loud, not silent: b11434 aborts with GGML_ASSERT(buffer)
+in ggml-backend.cpp on the first prompt.)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specaudit import distribution, fixtures, llama
+from specaudit.distribution.truth import encode_text
+from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import resolve
+from specaudit.stats import Verdict
+
+SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
+MUTANT_SEEDS = range(1, 201)
+
+
+def _progress(pct: float, msg: str) -> None:
+    print(f"[specaudit] building an MTP mutant: {pct:3.0f}% {msg[-60:]}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def mtp_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+    return fixtures.build(tmp_path_factory.mktemp("mtp"), kind="mtp")
+
+
+def _collect(
+    bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str, seeds: range
+) -> list[distribution.Sample]:
+    wl = distribution.make_workload(fs.spec)
+    with distribution.spawn_server(bins, fs, path=path) as srv:
+        eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=path, kind=path)
+        return distribution.collect(eng, seeds)
+
+
+def _analyze(
+    fs: fixtures.FixtureSet, samples: list[distribution.Sample], path: str
+) -> distribution.EngineResult:
+    wl = distribution.make_workload(fs.spec)
+    coded = [replace(s, text=encode_text(s.text, wl.tokens, fs.spec)) for s in samples]
+    e = distribution.analyze(fs.spec, wl, coded, engine=path, kind=path)
+    e.path = path
+    return e
+
+
+def _count_mismatches(fs: fixtures.FixtureSet, samples: list[distribution.Sample]) -> int:
+    """Samples whose drafted/accepted counts differ from what a correct greedy MTP server
+    drafts and accepts for that very text."""
+    spec = fs.spec
+    return sum(
+        (s.drafted, s.accepted) != fixtures.mtp_greedy_counts(spec, spec.prompt, s.text)
+        for s in samples
+    )
+
+
+@pytest.fixture(scope="module")
+def stock_greedy(
+    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet
+) -> list[distribution.Sample]:
+    return _collect(llama_bins, mtp_fixture, "mtp", SEEDS)
+
+
+def test_the_mtp_fixture_loads_and_drafts_with_its_own_mtp_layer(
+    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    """No -md: llama-server says it builds the MTP context on the target, drafts, and the
+    target's probabilities at every position are the closed form."""
+    spec = mtp_fixture.spec
+    drafted = 0
+    worst = 0.0
+    with distribution.spawn_server(llama_bins, mtp_fixture, path="mtp", log_dir=tmp_path) as srv:
+        assert "-md" not in srv.argv() and "draft-mtp" in srv.argv()
+        for seed in range(1, 6):
+            body = {
+                "prompt": spec.prompt,
+                "n_predict": 4,
+                "n_probs": len(spec.tokens),
+                "seed": seed,
+                **fixtures.REPORT_SAMPLER.request_fields(),
+            }
+            r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
+            drafted += r["timings"].get("draft_n", 0)
+            first = r["completion_probabilities"][0]  # sampled from the prompt's logits
+            expected = fixtures.raw_distribution(spec, spec.prompt)
+            got = {c["token"]: math.exp(c["logprob"]) for c in first["top_logprobs"]}
+            for letter in spec.letters:
+                worst = max(worst, abs(got[letter] - expected[letter]))
+    log = (tmp_path / "dist-mtp.log").read_text(errors="replace")
+    assert "creating MTP draft context against the target model" in log
+    assert drafted > 0
+    assert worst < 1e-6
+
+
+def test_dist_keeps_the_distribution_on_both_mtp_paths(
+    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    req = distribution.make_request(
+        ("server",), fixture=mtp_fixture, binaries=llama_bins, work_dir=tmp_path,
+        seeds=len(SEEDS),
+    )  # fmt: skip
+    res = distribution.run(req)
+    print(f"\nmtp fixture, seeds 1..{SEEDS[-1]}:\n{distribution.paths_markdown(res)}")
+    by_path = {e.path: e for e in res.engines}
+    assert list(by_path) == ["plain", "mtp", "mtp-rejection"]
+    for e in res.engines:
+        assert e.verdict is Verdict.PRESERVED, (e.path, e.reason)
+        assert e.n_samples == len(SEEDS)
+    for p in ("mtp", "mtp-rejection"):
+        e = by_path[p]
+        assert e.drafted is not None and e.accepted is not None, p
+        assert e.drafted > len(SEEDS) and 0 < e.accepted < e.drafted, p
+    assert not any(p == "mtp" for p, _ in res.not_covered)
+
+
+def test_greedy_mtp_drafts_exactly_what_the_closed_form_predicts(
+    llama_bins: LlamaBinaries,
+    mtp_fixture: fixtures.FixtureSet,
+    stock_greedy: list[distribution.Sample],
+) -> None:
+    """Sample-and-match emits the target's own draw at each position: every sample equals
+    the plain server's for its seed, and each sample's counts are the closed form's."""
+    plain = _collect(llama_bins, mtp_fixture, "plain", SEEDS)
+    assert [s.text for s in stock_greedy] == [s.text for s in plain]
+    assert _count_mismatches(mtp_fixture, stock_greedy) == 0
+    assert sum(s.drafted or 0 for s in stock_greedy) > len(SEEDS)
+
+
+def _measure_mutant(mutant: str, fs: fixtures.FixtureSet, path: str) -> distribution.EngineResult:
+    bins = llama.ensure(patches=(resolve(mutant),), progress=_progress)
+    wl = distribution.make_workload(fs.spec)
+    with distribution.spawn_server(bins, fs, path=path) as srv:
+        eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=mutant, kind=path)
+        return distribution.measure(eng, fs.spec, wl, MUTANT_SEEDS, alpha=1e-3, sequential=True)
+
+
+@pytest.mark.parametrize("mutant", ["mutants/mtp-proposal-swap", "mutants/mtp-draft-reseed"])
+def test_probabilistic_mtp_draft_mutant_is_broken_under_mtp_rejection(
+    mutant: str, mtp_fixture: fixtures.FixtureSet
+) -> None:
+    e = _measure_mutant(mutant, mtp_fixture, "mtp-rejection")
+    print(f"\n{mutant} on mtp-rejection: {e.verdict.value} after {e.n_samples} samples, "
+          f"{e.drafted} drafted, {e.accepted} accepted")  # fmt: skip
+    assert e.verdict is Verdict.BROKEN, e.reason
+    assert e.drafted is not None and e.drafted > 0
+
+
+def test_hidden_row_mutant_keeps_the_distribution_but_not_the_counts(
+    mtp_fixture: fixtures.FixtureSet, stock_greedy: list[distribution.Sample]
+) -> None:
+    """Equivalent for the distribution (same samples as stock, seed for seed: the drafts are
+    only proposals), caught by the closed-form counts: after a partial acceptance the head
+    drafts from a rejected token's hidden state."""
+    bins = llama.ensure(patches=(resolve("mutants/mtp-hidden-row"),), progress=_progress)
+    samples = _collect(bins, mtp_fixture, "mtp", SEEDS)
+    assert [s.text for s in samples] == [s.text for s in stock_greedy]
+    assert _analyze(mtp_fixture, samples, "mtp").verdict is Verdict.PRESERVED
+    wrong = _count_mismatches(mtp_fixture, samples)
+    print(f"\nmtp-hidden-row: {wrong} of {len(samples)} samples drafted or accepted otherwise")
+    assert wrong > 0
