@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from specaudit import distribution, fixtures, llama
+from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
@@ -49,7 +50,8 @@ def test_the_reference_server_answers_the_closed_form(
     computes)."""
     import asyncio
 
-    spec = fs_spec = fixture_set.spec
+    spec = fixture_set.spec
+    closed = FixtureReference(spec, REPORT_SAMPLER)
     ref_url = server("fixture-plain").url
     prefixes = [spec.tokenize(spec.prompt + tail) for tail in ("", "a", "bc", "dd", "cab")]
 
@@ -58,7 +60,7 @@ def test_the_reference_server_answers_the_closed_form(
             await ref.prepare()
             for ids in prefixes:
                 got = await ref.next_token(ids)
-                want = fixture_ref.closed_form(fs_spec, ids, REPORT_SAMPLER)
+                want = closed.next_token(ids)
                 assert set(got.probs) == set(want.probs)
                 for t, p in want.probs.items():
                     assert got.probs[t] == pytest.approx(p, abs=1e-5)

@@ -268,7 +268,8 @@ def analyse(
         verdict=verdict, reason=reason, power=power, tokens=n, impossible=impossible,
         ks_p=ks_p, directed_p=directed_p, favourite_rate=k / n if n else 0.0,
         favourite_expected=float(ps.mean()) if n else 0.0, g_prefixes=m, g_p=g_p,
-        e_value=e_value, crossed_at=crossed_at, ks_detectable=ks_d, directed_detectable=dir_d, alpha=alpha,
+        e_value=e_value, crossed_at=crossed_at, ks_detectable=ks_d,
+        directed_detectable=dir_d, alpha=alpha,
         per_position=per_pos, prefix_tests=prefix_tests, u=us,
     )  # fmt: skip
 

@@ -1,15 +1,15 @@
-"""The fixtures' closed form as a re-scoring reference: the cross-check of the re-scored test
-against a truth no server computes, and the draft's favourite token where the draft is known.
+"""The fixture draft's favourite token, in closed form: where the draft is known, the
+re-scored test's directed part aims at what it really proposes. (The closed form as a
+reference is `specaudit.fidelity.FixtureReference`.)
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from specaudit import fixtures
 from specaudit.fixtures import FixtureSpec, SamplerSettings
-from specaudit.rescore.records import FavouriteFn, NextToken, RescoreError
+from specaudit.rescore.records import FavouriteFn, RescoreError
 
 
 def text_of(spec: FixtureSpec, ids: Sequence[int]) -> str:
@@ -18,18 +18,6 @@ def text_of(spec: FixtureSpec, ids: Sequence[int]) -> str:
     if any(not 0 <= i < n for i in ids):
         raise RescoreError(f"prefix {list(ids)} holds a token that is not a fixture letter")
     return "".join(spec.letters[i] for i in ids)
-
-
-def closed_form(spec: FixtureSpec, ids: Sequence[int], sampler: SamplerSettings) -> NextToken:
-    """The exact processed (post-sampling) and raw next-token distributions after `ids`."""
-    text = text_of(spec, ids)
-    ids_of = spec.token_ids
-    post = fixtures.next_token_distribution(spec, text, sampler)
-    raw = fixtures.raw_distribution(spec, text)
-    return NextToken(
-        probs={ids_of[t]: p for t, p in post.items() if p > 0},
-        logprobs={ids_of[t]: math.log(p) for t, p in raw.items() if p > 0},
-    )
 
 
 def draft_favourite(spec: FixtureSpec, sampler: SamplerSettings) -> FavouriteFn:
@@ -43,4 +31,4 @@ def draft_favourite(spec: FixtureSpec, sampler: SamplerSettings) -> FavouriteFn:
     return fav
 
 
-__all__ = ["closed_form", "draft_favourite", "text_of"]
+__all__ = ["draft_favourite", "text_of"]
