@@ -24,6 +24,10 @@ from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve_all
 from specaudit.llama.upstream import LOGPROBS, PATCH_TESTS, SPECULATIVE, UpstreamRun
 
+# the module's runs are set up once, inside its first test: more than the suite's per-test
+# timeout on a loaded 2-core machine (four runs of upstream's pytest, each server loading Gemma)
+pytestmark = pytest.mark.timeout(3600)
+
 # upstream's tests that read the generated tokens' probabilities (n_probs, OpenAI logprobs)
 LOGPROBS_IDS = (
     "unit/test_completion.py::test_n_probs",
