@@ -249,6 +249,60 @@ class Reference:
         return nt
 
 
+class ServerReference:
+    """A plain llama-server as a synchronous reference (`fidelity.NextTokenSource`): for each
+    prefix, the processed distribution over the sampler's support and the raw top-`raw_probs`
+    log-probabilities, cached per prefix. Refuses a speculating server like `Reference`."""
+
+    def __init__(
+        self, url: str, sampler: SamplerSettings, *, raw_probs: int = 20, timeout: float = 120.0
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.sampler = sampler
+        self.raw_probs = raw_probs
+        self.timeout = timeout
+        self._cache: dict[tuple[int, ...], NextToken] = {}
+        self.identity = asyncio.run(self._prepare())
+
+    async def _prepare(self) -> ModelIdentity:
+        async with Reference(self.url, self.sampler, timeout=self.timeout) as ref:
+            ident = await ref.prepare()
+        self._n_probs = support_size(self.sampler, ident.n_vocab)
+        return ident
+
+    def next_token(self, ids: Sequence[int]) -> NextToken:
+        key = tuple(ids)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        with Client(self.url, timeout=self.timeout) as c:
+            post = parse_next_token(
+                c.post("/completion", completion_body(ids, self.sampler, self._n_probs)),
+                post=True,
+            )
+            raw = parse_next_token(
+                c.post(
+                    "/completion", completion_body(ids, self.sampler, self.raw_probs, post=False)
+                ),
+                post=False,
+            )
+        if sum(post.values()) < COVERAGE:
+            raise RescoreError("the reference's distribution does not cover the sampler's support")
+        nt = NextToken(probs=post, logprobs=raw)
+        self._cache[key] = nt
+        return nt
+
+    def tokenize(self, text: str) -> list[int]:
+        with Client(self.url, timeout=self.timeout) as c:
+            body = c.post(
+                "/tokenize", {"content": text, "add_special": True, "parse_special": True}
+            )
+        try:
+            return [int(t) for t in body["tokens"]]
+        except (KeyError, TypeError, ValueError):
+            raise RescoreError("the reference's /tokenize answered without tokens") from None
+
+
 def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     """Total-variation distance between two next-token distributions (token id -> prob)."""
     keys = set(a) | set(b)
@@ -294,6 +348,7 @@ __all__ = [
     "PROBE_TOLERANCE",
     "ModelIdentity",
     "Reference",
+    "ServerReference",
     "completion_body",
     "identity_from_models",
     "parse_next_token",
