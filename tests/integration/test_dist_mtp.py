@@ -149,19 +149,28 @@ def test_greedy_mtp_drafts_exactly_what_the_closed_form_predicts(
     assert sum(s.drafted or 0 for s in stock_greedy) > len(SEEDS)
 
 
-def _measure_mutant(mutant: str, fs: fixtures.FixtureSet, path: str) -> distribution.EngineResult:
+def _measure_mutant(
+    mutant: str, fs: fixtures.FixtureSet, path: str, seeds: range, sequential: bool
+) -> distribution.EngineResult:
     bins = llama.ensure(patches=(resolve(mutant),), progress=_progress)
     wl = distribution.make_workload(fs.spec)
     with distribution.spawn_server(bins, fs, path=path) as srv:
         eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=mutant, kind=path)
-        return distribution.measure(eng, fs.spec, wl, MUTANT_SEEDS, alpha=1e-3, sequential=True)
+        if sequential:
+            return distribution.measure(eng, fs.spec, wl, seeds, alpha=1e-3, sequential=True)
+        return distribution.measure(eng, fs.spec, wl, seeds)
 
 
-@pytest.mark.parametrize("mutant", ["mutants/mtp-proposal-swap", "mutants/mtp-draft-reseed"])
+# The swapped proposal is flagged within 25 samples (sequential); the reseeded draft moves the
+# output less (860 of 1000 samples equal stock's for their seed) and needs the fixed 1000 seeds.
+@pytest.mark.parametrize(
+    ("mutant", "seeds", "sequential"),
+    [("mutants/mtp-proposal-swap", MUTANT_SEEDS, True), ("mutants/mtp-draft-reseed", SEEDS, False)],
+)
 def test_probabilistic_mtp_draft_mutant_is_broken_under_mtp_rejection(
-    mutant: str, mtp_fixture: fixtures.FixtureSet
+    mutant: str, seeds: range, sequential: bool, mtp_fixture: fixtures.FixtureSet
 ) -> None:
-    e = _measure_mutant(mutant, mtp_fixture, "mtp-rejection")
+    e = _measure_mutant(mutant, mtp_fixture, "mtp-rejection", seeds, sequential)
     print(f"\n{mutant} on mtp-rejection: {e.verdict.value} after {e.n_samples} samples, "
           f"{e.drafted} drafted, {e.accepted} accepted")  # fmt: skip
     assert e.verdict is Verdict.BROKEN, e.reason
