@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specaudit import logprobs, speculation, validate
 from specaudit.client import ENDPOINTS, Client, ClientError, StreamResult
 from specaudit.errors import SpecauditError
 from specaudit.logprobs import TokenClass, TokenRecord
 from specaudit.outcome import Outcome
+
+if TYPE_CHECKING:
+    from specaudit.check_fidelity import FidelitySummary
 
 JSON = dict[str, Any]
 
@@ -156,6 +159,8 @@ class CheckResult:
     verdict: str  # "real" or "placeholders"
     outcome: Outcome  # OK (real) or FINDING (placeholders)
     reason: str  # one line
+    # `check --reference`: every token classified against a plain reference (check_fidelity)
+    fidelity: FidelitySummary | None = None
     exit_code: int = field(init=False)  # outcome.exit_code, kept in the JSON for scripts
 
     def __post_init__(self) -> None:
@@ -462,13 +467,21 @@ def run(
     timeout: float = 120.0,
     api_key: str | None = None,
     probe_switch: bool = True,
+    reference: str | None = None,
 ) -> CheckResult:
     """Check one server. `stream`: None = both modes, True = streamed only, False = not.
+
+    `reference`: a plain llama-server of the same model; every token of the native
+    /completion probes is then also classified real and correct / real but wrong /
+    placeholder / missing against it (`specaudit.check_fidelity`), and real but wrong is a
+    finding like placeholders.
 
     Raises `CheckError` (or `ClientError`) when no decision is possible; every argument is
     checked first (one-line `CheckError`, nothing sent).
     """
     _check_inputs(url, endpoint, prompt, seed, temperature, model, timeout, api_key)
+    if reference is not None:
+        validate.url(reference, "--reference", CheckError)
     if top_k < 1:
         raise CheckError("--top-k must be at least 1: with no candidates requested nothing shows")
     if tokens < 2:
@@ -514,7 +527,26 @@ def run(
     failed = [f"{r.label} ({r.status})" for r in results if r.status not in ("ok", "absent")]
     if failed:
         reason += "; no decision on: " + ", ".join(failed)
-    return CheckResult(url, s, spec, results, switch, verdict, outcome, reason)
+    fid = None
+    if reference is not None:
+        from specaudit import check_fidelity
+
+        fid = check_fidelity.run(
+            url, reference, prompt=prompt, seed=seed, tokens=tokens, top_k=top_k,
+            temperature=temperature, timeout=timeout, api_key=api_key,
+        )  # fmt: skip
+        c = fid.counts
+        line = (
+            f"against the reference: {c.real_correct} real and correct, {c.real_wrong} real but "
+            f"wrong, {c.placeholder} placeholders, {c.missing} missing"
+        )
+        if c.real_wrong:
+            outcome = Outcome.FINDING
+            verdict = "placeholders" if n_ph else "real but wrong"
+            reason = f"{c.real_wrong} real but wrong logprobs ({line}); {reason}"
+        else:
+            reason += f"; {line}"
+    return CheckResult(url, s, spec, results, switch, verdict, outcome, reason, fid)
 
 
 __all__ = [

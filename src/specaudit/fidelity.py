@@ -569,7 +569,7 @@ def _draft_counts(bodies: Sequence[dict[str, Any]]) -> tuple[int | None, int | N
 def probe_server(
     url: str,
     *,
-    prompt: str,
+    prompt: str | Sequence[int],
     prompt_ids: Sequence[int],
     reference: NextTokenSource,
     tol: Tolerance,

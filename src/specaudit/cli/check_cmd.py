@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 CHECK_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  every logprob is real (candidates came back for every token)\n"
-    "  1  placeholders found: k candidates requested, none returned\n"
+    "  1  placeholders found: k candidates requested, none returned; with --reference,\n"
+    "     also real but wrong logprobs (numbers that are not the reference's)\n"
     "  2  no decision: unreachable server, HTTP errors, non-JSON answers, not an LLM\n"
     "     server, no logprobs at all, or bad options\n"
     "  Several deployments: 1 if any returns placeholders, else 2 if any gave no decision.\n"
@@ -90,6 +91,14 @@ CHECK_EXIT_HELP = (
 @click.option(
     "--summary", is_flag=True, help="Leave out the per-token tables; counts and verdict only."
 )
+@click.option(
+    "--reference",
+    type=URL,
+    default=None,
+    metavar="URL",
+    help="A plain llama-server of the same model: classify every /completion token real and "
+    "correct, real but wrong, placeholder or missing against it (docs/fidelity.md).",
+)
 @json_option
 def command(
     urls: tuple[str, ...],
@@ -106,6 +115,7 @@ def command(
     api_key: str | None,
     timeout: float,
     summary: bool,
+    reference: str | None,
     as_json: bool,
 ) -> None:
     """Check whether the logprobs a server at URL returns are real.
@@ -137,7 +147,9 @@ def command(
         raise click.UsageError("Missing argument 'URL' (one or more, or --litellm-config FILE).")
     if litellm_config is not None or len(urls) > 1:
         _fleet(urls, litellm_config, concurrency, api_key, kwargs, as_json)
-    result = check.run(urls[0], api_key=api_key, **kwargs)
+    if reference is not None and (litellm_config is not None or len(urls) > 1):
+        raise click.UsageError("--reference checks one server: give one URL")
+    result = check.run(urls[0], api_key=api_key, reference=reference, **kwargs)
     if as_json:
         emit_json(to_json(result))
     else:
@@ -253,5 +265,30 @@ def render(result: CheckResult, tokens_tables: bool = True) -> None:
                 f"{r.total} carried a token record",
                 highlight=False,
             )
+    if result.fidelity is not None:
+        _render_fidelity(result)
     colour = "red" if result.exit_code else "green"
     out.print(f"[bold {colour}]verdict: {result.verdict}[/] - {result.reason}", highlight=False)
+
+
+def _render_fidelity(result: CheckResult) -> None:
+    from rich.table import Table
+
+    f = result.fidelity
+    assert f is not None
+    t = Table(title=f"fidelity against {f.reference}", title_justify="left")
+    for h in ("request", "real and correct", "real but wrong", "placeholder", "missing"):
+        t.add_column(h, justify="left" if h == "request" else "right")
+    for kind, c in f.by_kind.items():
+        t.add_row(
+            kind, str(c.real_correct), str(c.real_wrong), str(c.placeholder), str(c.missing),
+            style="red" if c.real_wrong else None,
+        )  # fmt: skip
+    out.print(t)
+    out.print(
+        f"tolerance (twice the reference's own spread + float32 rounding): prob "
+        f"{f.tolerance_prob:.2g}, logprob {f.tolerance_logprob:.2g}",
+        highlight=False,
+    )
+    for line in f.worst:
+        out.print(f"real but wrong: {line}", highlight=False)

@@ -1,0 +1,107 @@
+"""`check --reference`: the logprobs a server reports, compared value by value with a plain
+reference server of the same model (`specaudit.fidelity`).
+
+Why apart from `check`: `check` tells placeholders from numbers with one request per endpoint
+and needs nothing but the server; this asks a reference about every token's exact prefix and
+measures the reference's own noise floor first, so it only runs when a reference is given.
+Native ``/completion`` only: the prompt goes as the reference's token ids, so every prefix is
+known exactly (a chat template would have to be re-applied and re-tokenised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specaudit import fidelity
+from specaudit.client import Client, ClientError
+from specaudit.errors import SpecauditError
+from specaudit.fixtures import SamplerSettings
+from specaudit.rescore.reference import ServerReference, identity_from_models
+
+# Both modes, streamed and not: what a client of /completion can ask for.
+KINDS = (
+    fidelity.ProbeKind("completion", False),
+    fidelity.ProbeKind("completion", True),
+    fidelity.ProbeKind("completion", False, stream=True),
+    fidelity.ProbeKind("completion", True, stream=True),
+)
+SAMPLER_TOP_K = 40  # the sampler's top-k for these probes (llama-server's default)
+NOISE_BATCHES = (1, 2, 4)
+
+
+class FidelityCheckError(SpecauditError):
+    """`check --reference` cannot decide (one line, exit 2)."""
+
+
+@dataclass
+class FidelitySummary:
+    """Every reported token of the probes, classified against the reference."""
+
+    reference: str
+    counts: fidelity.FidelityCounts
+    by_kind: dict[str, fidelity.FidelityCounts]
+    tolerance_prob: float
+    tolerance_logprob: float
+    drafted: int
+    accepted: int
+    worst: list[str] = field(default_factory=list)  # up to 5 "kind token i: what" lines
+
+    @property
+    def wrong(self) -> int:
+        return self.counts.real_wrong
+
+
+def run(
+    url: str,
+    reference: str,
+    *,
+    prompt: str,
+    seed: int,
+    tokens: int,
+    top_k: int,
+    temperature: float,
+    timeout: float = 120.0,
+    api_key: str | None = None,
+) -> FidelitySummary:
+    """Probe `url` on every /completion kind and classify each token against `reference`."""
+    sampler = SamplerSettings(
+        top_k=SAMPLER_TOP_K, top_p=1.0, min_p=0.0, temperature=max(temperature, 1e-6)
+    )
+    try:
+        ref = ServerReference(reference, sampler, raw_probs=max(top_k, 20), timeout=timeout)
+        with Client(url, timeout=timeout, api_key=api_key) as c:
+            ident = identity_from_models(c.get("/v1/models"))
+    except ClientError as e:
+        raise FidelityCheckError(f"--reference: {e}") from None
+    if ident is not None and ref.identity is not None:
+        diff = ref.identity.differences(ident)
+        if diff:
+            raise FidelityCheckError(
+                f"the server and --reference do not serve the same model: {', '.join(diff)}"
+            )
+    ids = ref.tokenize(prompt)
+    sampling = sampler.request_fields()
+    try:
+        floor = fidelity.server_noise_floor(
+            reference, [ids], sampling, SAMPLER_TOP_K, batches=NOISE_BATCHES, timeout=timeout
+        )
+        tol = fidelity.tolerance(floor)
+        res = fidelity.probe_server(
+            url, prompt=ids, prompt_ids=ids, reference=ref, tol=tol, sampling=sampling,
+            seeds=[seed], tokens=tokens, n_probs=top_k, kinds=KINDS, timeout=timeout,
+        )  # fmt: skip
+    except ClientError as e:
+        raise FidelityCheckError(f"fidelity probes: {e}") from None
+    worst = [
+        f"{p.kind.label} token {t.index}: {t.worst}" if t.worst else f"{p.kind.label}"
+        for p, t in res.wrong()[:5]
+    ]
+    drafted, accepted = res.drafted
+    return FidelitySummary(
+        reference=reference, counts=res.counts, by_kind=res.counts_by_kind(),
+        tolerance_prob=tol.prob, tolerance_logprob=tol.logprob, drafted=drafted,
+        accepted=accepted, worst=worst,
+    )  # fmt: skip
+
+
+__all__ = ["KINDS", "FidelityCheckError", "FidelitySummary", "run"]

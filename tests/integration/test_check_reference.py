@@ -1,0 +1,86 @@
+"""`check --reference` on real servers: every /completion token classified against a plain
+server of the same model (fixture and Gemma 3 270M).
+
+What `check` alone calls "real" is split here: the spec-logprobs fix is real and correct; a
+logprob mutant of it (lp-no-temperature: post-sampling probabilities without the temperature)
+is real but wrong, a finding; the stock speculating server keeps its placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from specaudit import check, llama
+from specaudit.check_fidelity import FidelityCheckError
+from specaudit.llama import presets
+from specaudit.llama.patches import resolve
+from specaudit.llama.server import LlamaServer
+from specaudit.outcome import Outcome
+
+FIXTURE = {"prompt": "bcdbc", "tokens": 12, "top_k": 3, "temperature": 0.7, "seed": 3}
+GEMMA = {"prompt": "Once upon a time", "tokens": 12, "top_k": 5, "temperature": 0.7, "seed": 3}
+
+
+def _check(url: str, ref: str, kw: dict[str, Any]) -> check.CheckResult:
+    return check.run(url, endpoint="native", reference=ref, probe_switch=False, **kw)
+
+
+def test_patched_fixture_tokens_are_real_and_correct(server: Callable[..., Any]) -> None:
+    res = _check(server("fixture-spec-patched").url, server("fixture-plain").url, FIXTURE)
+    f = res.fidelity
+    assert f is not None and f.counts.total > 0
+    assert f.counts.real_correct == f.counts.total, (f.by_kind, f.worst)
+    assert f.accepted > 0  # speculative tokens were among them
+    assert res.outcome is Outcome.OK
+
+
+def test_stock_fixture_placeholders_are_classified(server: Callable[..., Any]) -> None:
+    res = _check(server("fixture-spec").url, server("fixture-plain").url, FIXTURE)
+    f = res.fidelity
+    assert f is not None
+    assert f.counts.placeholder + f.counts.missing > 0 and f.counts.real_wrong == 0
+    assert res.verdict == "placeholders" and res.outcome is Outcome.FINDING
+
+
+def _mutant_gemma(gemma: Any) -> LlamaServer:
+    bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
+    return presets.for_preset(presets.PRESETS["gemma-spec"], bins, gemma, gemma)
+
+
+def test_a_logprob_mutant_is_real_but_wrong_on_the_fixture(
+    server: Callable[..., Any], fixture_set: Any
+) -> None:
+    from specaudit import distribution
+
+    bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
+    with distribution.spawn_server(bins, fixture_set, draft=True) as srv:
+        plain_check = check.run(srv.url, endpoint="native", probe_switch=False, **FIXTURE)
+        res = _check(srv.url, server("fixture-plain").url, FIXTURE)
+    assert plain_check.verdict == "real"  # what check alone says
+    f = res.fidelity
+    assert f is not None and f.counts.real_wrong > 0, f.by_kind
+    assert res.verdict == "real but wrong" and res.outcome is Outcome.FINDING
+
+
+def test_gemma_patched_is_correct_and_a_logprob_mutant_is_wrong(
+    server: Callable[..., Any], gemma_path: Any
+) -> None:
+    ref = server("gemma-plain").url
+    good = _check(server("gemma-spec-patched").url, ref, GEMMA)
+    assert good.fidelity is not None
+    assert good.fidelity.counts.real_correct == good.fidelity.counts.total > 0, (
+        good.fidelity.by_kind,
+        good.fidelity.worst,
+    )
+    with _mutant_gemma(gemma_path) as srv:
+        bad = _check(srv.url, ref, GEMMA)
+    assert bad.fidelity is not None and bad.fidelity.counts.real_wrong > 0
+    assert bad.verdict == "real but wrong"
+
+
+def test_a_reference_of_another_model_is_refused(server: Callable[..., Any]) -> None:
+    with pytest.raises(FidelityCheckError, match="same model"):
+        _check(server("gemma-spec-patched").url, server("fixture-plain").url, GEMMA)
