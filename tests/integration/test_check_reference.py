@@ -20,8 +20,20 @@ from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
 
-FIXTURE = {"prompt": "bcdbc", "tokens": 12, "top_k": 3, "temperature": 0.7, "seed": 3}
-GEMMA = {"prompt": "Once upon a time", "tokens": 12, "top_k": 5, "temperature": 0.7, "seed": 3}
+FIXTURE: dict[str, Any] = {
+    "prompt": "bcdbc",
+    "tokens": 12,
+    "top_k": 3,
+    "temperature": 0.7,
+    "seed": 3,
+}
+GEMMA: dict[str, Any] = {
+    "prompt": "Once upon a time",
+    "tokens": 12,
+    "top_k": 5,
+    "temperature": 0.7,
+    "seed": 3,
+}
 
 
 def _check(url: str, ref: str, kw: dict[str, Any]) -> check.CheckResult:
@@ -61,7 +73,8 @@ def test_a_logprob_mutant_is_real_but_wrong_on_the_fixture(
         res = _check(srv.url, server("fixture-plain").url, FIXTURE)
     assert plain_check.verdict == "real"  # what check alone says
     f = res.fidelity
-    assert f is not None and f.counts.real_wrong > 0, f.by_kind
+    assert f is not None
+    assert f.counts.real_wrong > 0, f.by_kind
     assert res.verdict == "real but wrong" and res.outcome is Outcome.FINDING
 
 
