@@ -68,8 +68,8 @@ class AuditContext:
     def binaries(self, variant: str = "stock") -> LlamaBinaries:
         if variant not in self._bins:
             patches = (presets.PATCH,) if variant == "patched" else ()
-            if variant == presets.SPECULATIVE_FIX:
-                patches = (presets.SPECULATIVE_FIX,)
+            if variant == presets.SPECULATIVE_FIX or variant.startswith("mutants/"):
+                patches = (variant,)  # the example's fix, or a bundled mutant
             self.progress(f"llama.cpp b{self.build} {variant}")
             self._bins[variant] = self._ensure_bins(self.build, resolve_all(patches, self.build))
         return self._bins[variant]

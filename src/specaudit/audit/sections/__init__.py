@@ -6,7 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specaudit.audit.context import AuditContext, Section
-from specaudit.audit.sections import ab, check, dist, engines, patched, proxy, servers, speculative
+from specaudit.audit.sections import (
+    ab,
+    check,
+    dist,
+    engines,
+    model,
+    patched,
+    proxy,
+    servers,
+    speculative,
+)
 
 SectionFn = Callable[[AuditContext], Section]
 
@@ -18,6 +28,7 @@ SECTIONS: tuple[tuple[str, SectionFn], ...] = (
     ("engines", engines.section),
     ("proxy", proxy.section),
     ("patched", patched.section),
+    ("model", model.section),
     ("speculative", speculative.section),
 )
 
