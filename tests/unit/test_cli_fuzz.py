@@ -98,7 +98,9 @@ BASE: dict[tuple[str, ...], list[str]] = {
     ("fixtures", "build"): [],
     ("llama", "build"): [],
     ("llama", "path"): [],
+    ("llama", "upstream-tests"): [],
     ("matrix",): [],
+    ("rescore",): ["--url", "{server}", "--reference-url", "{server}"],
 }
 # ab's local-mode options apply without URLs: fuzzed without them (no binaries: exit 2)
 LOCAL_AB = {"model", "draft", "spec_type", "log_dir"}
