@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from specaudit import check, distribution, fixtures
@@ -86,3 +88,34 @@ def test_prompt_lookup_drafts_on_the_fixture_prompt(fixture_set: fixtures.Fixtur
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lcp.DEFAULT_PRED_TOKENS)
     got = draft(np.array(spec.tokenize(spec.prompt), dtype=np.intc))
     assert [spec.tokens[int(t)] for t in got][:3] == list("dbc")
+
+
+def test_rescore_openai_engine_on_llama_cpp_python(
+    lcp_server: lcp.LlamaCppPythonServer,
+    fixture_set: fixtures.FixtureSet,
+    server: Callable[..., Any],
+) -> None:
+    """`rescore --engine openai`: llama-cpp-python returns text only; the fixture's
+    characters round-trip through the reference's tokenizer, so its samples are re-scored
+    against a plain llama-server of the same file, prompt lookup drafting and all."""
+    from specaudit.fixtures import REPORT_SAMPLER
+    from specaudit.rescore import fixture as fixture_ref
+    from specaudit.rescore import runner
+
+    spec = fixture_set.spec
+    models = httpx.get(lcp_server.url + "/v1/models", timeout=30).json()
+    req = runner.make_request(
+        lcp_server.url,
+        engine="openai",
+        reference_url=server("fixture-plain").url,
+        prompts=[spec.prompt],
+        seeds=300,
+        tokens=4,
+        sampler=REPORT_SAMPLER,
+        model=models["data"][0]["id"],
+        favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
+    )
+    res = runner.run(req)
+    assert res.error is None and res.stats is not None
+    assert res.rescored == res.sampled_tokens == 1200
+    assert res.stats.verdict is Verdict.PRESERVED, res.stats.reason
