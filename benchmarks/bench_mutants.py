@@ -26,7 +26,15 @@ Per row: N samples (seeds 1..N) are drawn once, then
 - --sequential: what `specaudit dist --sequential --alpha 1e-3` would have answered, and when;
 - = stock: whether every sample equals the stock build's for the same seed, fixture and path.
 
+The logprob mutants (``lp-*``: bugs in what spec-logprobs *reports*, not in what is sampled)
+get a fidelity row each instead, next to stock and spec-logprobs as controls: every token of
+`--fidelity-seeds` seeds x 16 tokens x each probe kind (both endpoints, pre- and
+post-sampling, streamed and not; `fidelity.DEFAULT_KINDS`) classified against the closed form
+(`specaudit.fidelity`), with the tolerance measured from the plain server's spread; beside it
+what `specaudit check`'s classification says of the same tokens.
+
     .venv/bin/python benchmarks/bench_mutants.py [--seeds 2000] [--only NAME ...]
+        [--fidelity-seeds 20] [--fidelity-only]
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specaudit import distribution, fixtures, llama
+from specaudit import distribution, fidelity, fixtures, llama
 from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets, sources
@@ -250,18 +258,111 @@ def goal_lines(rows: list[Row], controls: set[str], seeds: int) -> list[str]:
     return out
 
 
+LP = "lp-"  # the logprob mutants' prefix: measured by fidelity, not by dist
+FIDELITY_SAMPLER = fixtures.SamplerSettings(top_k=5, top_p=1.0, min_p=0.0, temperature=0.7)
+FIDELITY_PROMPT = "bcdbc"
+FIDELITY_N_PROBS = 3
+FIDELITY_TOKENS = 16
+# the path a logprob mutant's bug lives on (the draft's q exists on the rejection path only)
+FIDELITY_PATHS = {"lp-draft-probs": "rejection"}
+FIDELITY_HEADERS = [
+    "build", "path", "tokens", "real-correct", "real-wrong", "placeholder", "missing",
+    "check says", "fidelity says", "largest deviation / bound", "where", "drafted/accepted",
+]  # fmt: skip
+
+
+def fidelity_row(
+    name: str, bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str, tol: fidelity.Tolerance,
+    seeds: int, log_dir: Path,
+) -> list[str]:  # fmt: skip
+    """One build's fidelity row on the default fixture."""
+    ref = fidelity.FixtureReference(fs.spec, FIDELITY_SAMPLER)
+    with runner.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
+        run = fidelity.probe_server(
+            srv.url,
+            prompt=FIDELITY_PROMPT,
+            prompt_ids=fs.spec.tokenize(FIDELITY_PROMPT),
+            reference=ref,
+            tol=tol,
+            sampling=FIDELITY_SAMPLER.request_fields(),
+            seeds=range(1, seeds + 1),
+            tokens=FIDELITY_TOKENS,
+            n_probs=FIDELITY_N_PROBS,
+            vocabulary=ref.vocabulary,
+        )
+    c, k = run.counts, run.check_counts
+    check_says = f"{k.real} real, {k.placeholder} placeholder"
+    says = [
+        f"{n} {cls.value}" for cls in fidelity.Fidelity if cls is not fidelity.Fidelity.REAL_CORRECT
+        if (n := c.of(cls))
+    ] or ["all real-correct"]  # fmt: skip
+    worst, where = "-", "-"
+    scored = [t for p in run.probes for t in p.result.tokens if t.worst is not None]
+    if scored:
+        top = max(scored, key=lambda t: t.worst.score if t.worst else 0.0)
+        assert top.worst is not None
+        worst = f"{top.worst.error:.3g} / {top.worst.limit:.3g}"
+        modes = sorted({t.mode for _, t in run.wrong()})
+        where = f"{top.worst.where} ({top.mode}); wrong in: {', '.join(modes) or 'none'}"
+    drafted, accepted = run.drafted
+    row = [
+        name, path, str(c.total), str(c.real_correct), str(c.real_wrong), str(c.placeholder),
+        str(c.missing), check_says, ", ".join(says), worst, where, f"{drafted}/{accepted}",
+    ]  # fmt: skip
+    log(f"fidelity {name} {path}: {row[2:9]}")
+    return row
+
+
+def fidelity_table(
+    bins: dict[str, LlamaBinaries], names: list[str], seeds: int, work: Path
+) -> tuple[str, fidelity.NoiseFloor]:
+    """Stock, spec-logprobs and each logprob mutant: a fidelity row each (the patched build on
+    both paths it reports from, the controls for the greedy and the rejection mutants)."""
+    fs = runner.load_fixture(None)
+    spec = fs.spec
+    ref = fidelity.FixtureReference(spec, FIDELITY_SAMPLER)
+    with runner.spawn_server(bins["stock"], fs, path="plain", log_dir=work) as plain:
+        floor = fidelity.server_noise_floor(
+            plain.url,
+            [spec.tokenize(FIDELITY_PROMPT + x) for x in spec.letters],
+            FIDELITY_SAMPLER.request_fields(),
+            spec.n_vocab,
+            extra=ref,
+        )
+    tol = fidelity.tolerance(floor)
+    rows = []
+    for name in names:
+        paths = ["greedy", "rejection"] if name == "spec-logprobs" else None
+        for path in paths or [FIDELITY_PATHS.get(name, "greedy")]:
+            d = work / "fidelity" / name / path
+            d.mkdir(parents=True, exist_ok=True)
+            rows.append(fidelity_row(name, bins[name], fs, path, tol, seeds, d))
+    return md_table(FIDELITY_HEADERS, rows), floor
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=2000, help="samples per row (seeds 1..N)")
     ap.add_argument("--only", nargs="*", default=None, help="mutant names (default: all)")
+    ap.add_argument(
+        "--fidelity-seeds", type=int, default=20, help="seeds per logprob-mutant fidelity row"
+    )
+    ap.add_argument(
+        "--fidelity-only", action="store_true", help="only the logprob mutants' fidelity rows"
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     mutants = llama.available_mutants()
     if args.only:
         mutants = [m for m in mutants if m.split("/", 1)[1] in args.only]
+    lp_mutants = [m.split("/", 1)[1] for m in mutants if m.split("/", 1)[1].startswith(LP)]
+    dist_mutants = [] if args.fidelity_only else [
+        m for m in mutants if not m.split("/", 1)[1].startswith(LP)
+    ]  # fmt: skip
     builds: list[tuple[str, tuple[str, ...]]] = [("stock", ())]
     builds += [(p, (p,)) for p in llama.available_patches()]
-    builds += [(m.split("/", 1)[1], (m,)) for m in mutants]
+    builds += [(m.split("/", 1)[1], (m,)) for m in dist_mutants]
+    builds += [(m, (f"mutants/{m}",)) for m in lp_mutants]
 
     build_times: dict[str, str] = {}
     bins: dict[str, LlamaBinaries] = {}
@@ -275,10 +376,29 @@ def main() -> int:
         log(f"{name}: {build_times[name]}")
 
     work = Path(tempfile.mkdtemp(prefix="bench-mutants-"))
+    if lp_mutants:
+        names = ["stock", presets.PATCH, *lp_mutants]
+        table, floor = fidelity_table(bins, names, args.fidelity_seeds, work)
+        print(table)
+        print()
+        print(
+            f"fidelity: {args.fidelity_seeds} seeds x {FIDELITY_TOKENS} tokens x "
+            f"{len(fidelity.DEFAULT_KINDS)} probe kinds per row, top-k "
+            f"{FIDELITY_SAMPLER.top_k}, T={FIDELITY_SAMPLER.temperature:g}, {FIDELITY_N_PROBS} "
+            f"candidates; noise floor (plain server at batch sizes 1, 2, 4 and the closed form, "
+            f"{floor.prefixes} prefixes): prob {floor.prob:.3g}, logprob {floor.logprob:.3g}; "
+            f"tolerance {fidelity.SPREAD_FACTOR:g} x floor + {fidelity.FLOAT32_ULPS} float32 ulps"
+        )
+        print()
+    if args.fidelity_only:
+        print(f"total {time.perf_counter() - t_start:.0f} s")
+        return 0
     fxs = fixtures_available(work)
     rows: list[Row] = []
     stock: dict[tuple[str, str, float], tuple[list[str], Row]] = {}
     for name, patches in builds:
+        if name.startswith(LP):
+            continue  # a fidelity row above
         control = name == "stock" or name in llama.available_patches()
         shared = control or any(
             SHARED in f for p in resolve_all(patches) for f in sources.patch_files(p)
