@@ -134,11 +134,17 @@ class AuditContext:
         bins = self.binaries(preset.variant)
         self.progress(f"starting {name}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        draft = self.draft_path(preset.model) if preset.uses_draft else None
+        fs = self._fixture_of(preset.model)
+        if preset.spec_type == "draft-eagle3" and fs is not None:
+            from specaudit import fixtures
+
+            draft = fixtures.eagle3_draft(fs)  # the fixture's EAGLE3 head, not draft.gguf
         srv = presets.for_preset(
             preset,
             bins,
             self.model_path(preset.model),
-            self.draft_path(preset.model) if preset.uses_draft else None,
+            draft,
             log_path=self.log_dir / f"{name}.log",
         )
         self._stack.enter_context(srv)

@@ -30,9 +30,12 @@ SUMMARY_HEADERS = ("fixture", *distribution.PATH_HEADERS, "why")
 
 
 def build_paths(ctx: AuditContext) -> list[str]:
-    """The verification paths the audited build has: no rejection sampler before #27694."""
+    """The verification paths the audited build has on the llama fixtures (the MTP paths
+    need the mtp fixture): no rejection sampler before #27694."""
+    from specaudit.distribution.coverage import kind_paths
+
     have = matrix.has_rejection(ctx.binaries())
-    return [p for p in distribution.PATHS if p != "rejection" or have]
+    return [p for p in kind_paths("last-token") if p != "rejection" or have]
 
 
 def _attempt(
