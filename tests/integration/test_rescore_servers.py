@@ -166,3 +166,34 @@ def test_a_reference_dying_mid_run_keeps_every_sample(
     assert res.stats is None and res.exit_code == 2
     assert len(res.samples) == 100  # sampling went on: nothing drawn is lost
     assert 40 <= res.rescored < res.sampled_tokens
+
+
+def _self_request(url: str, fs: fixtures.FixtureSet, sampler: SamplerSettings) -> Any:
+    spec = fs.spec
+    return runner.make_request(
+        url,
+        self_check=True,
+        prompt_ids=[spec.tokenize(spec.prompt)],
+        seeds=300,
+        tokens=4,
+        sampler=sampler,
+    )
+
+
+def test_self_check_without_a_reference(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+) -> None:
+    """--self: the patched server samples what it reports (PRESERVED, every token tested);
+    the stock one's placeholders are counted, not tested; a logprob mutant that reports the
+    distribution without its temperature is BROKEN against its own numbers."""
+    warm = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=0.7)
+    good = runner.run(_self_request(server("fixture-spec-patched").url, fixture_set, warm))
+    assert good.stats is not None and good.unreported == 0 and good.rescored == 1200
+    assert good.stats.verdict is Verdict.PRESERVED, good.stats.reason
+    stock = runner.run(_self_request(server("fixture-spec").url, fixture_set, warm))
+    assert stock.unreported > 0 and stock.rescored + stock.unreported == 1200
+    bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
+    with distribution.spawn_server(bins, fixture_set, draft=True) as srv:
+        bad = runner.run(_self_request(srv.url, fixture_set, warm))
+    assert bad.stats is not None
+    assert bad.stats.verdict is Verdict.BROKEN, bad.stats.reason

@@ -54,6 +54,13 @@ RESCORE_EXIT_HELP = (
     default=None,
     help="The same GGUF: specaudit serves it as a plain llama-server itself.",
 )
+@click.option(
+    "--self",
+    "self_check",
+    is_flag=True,
+    help="No reference: test each token against the post-sampling distribution the engine "
+    "itself reports for it (llama-server; placeholders are counted, not tested).",
+)
 @click.option("--prompt", "prompts", type=TEXT, multiple=True, help="Prompt (repeatable).")
 @seeds_option(default=200, min_value=1, help="Seeds per prompt (1..N).")
 @tokens_option(default=8, min_value=1, help="Tokens per sample.")
@@ -73,6 +80,7 @@ def command(
     engine: str,
     reference_url: str | None,
     reference_model: Path | None,
+    self_check: bool,
     prompts: tuple[str, ...],
     seeds: int,
     tokens: int,
@@ -105,6 +113,7 @@ def command(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
+        self_check=self_check,
     )  # fmt: skip
     total = req.seeds * req.n_prompts
     with sample_progress("re-scoring", total, unit="samples", quiet=as_json) as cb:

@@ -63,6 +63,8 @@ class RescoreRequest:
     label: str | None = None
     model: str = "model"  # the OpenAI model name (--engine openai)
     favourite: FavouriteFn | None = None
+    # no reference: each token against the engine's own reported post-sampling distribution
+    self_check: bool = False
 
     @property
     def n_prompts(self) -> int:
@@ -88,6 +90,7 @@ def make_request(
     label: str | None = None,
     model: str = "model",
     favourite: FavouriteFn | None = None,
+    self_check: bool = False,
 ) -> RescoreRequest:
     """Check every input before anything is started (one-line RescoreError, exit 2)."""
     url = validate.url(url, "--url", RescoreError)
@@ -95,8 +98,11 @@ def make_request(
         reference_url = validate.url(reference_url, "--reference-url", RescoreError)
     if engine not in ENGINES:
         raise RescoreError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
-    if (reference_url is None) == (reference_model is None):
-        raise RescoreError("give exactly one of --reference-url and --reference-model")
+    if self_check:
+        if reference_url is not None or reference_model is not None or engine != "server":
+            raise RescoreError("--self takes no reference and needs --engine server")
+    elif (reference_url is None) == (reference_model is None):
+        raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
     ref_model = Path(reference_model) if reference_model is not None else None
     if ref_model is not None and not ref_model.is_file():
         raise RescoreError(f"--reference-model {ref_model} is not a file")
@@ -124,6 +130,7 @@ def make_request(
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
         concurrency=concurrency, timeout=timeout, label=label, model=model, favourite=favourite,
+        self_check=self_check,
     )  # fmt: skip
 
 
@@ -149,6 +156,7 @@ class RescoreResult:
     probe_tv: float | None = None
     total_seconds: float = 0.0
     reference_requests: int = 0
+    unreported: int = 0  # --self: tokens the engine reported no covering distribution for
     draws: list[TokenDraw] = field(default_factory=list, repr=False)
 
     @property
@@ -168,6 +176,8 @@ class RescoreResult:
 
 def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResult:
     """Run `req`, starting (and always stopping) a reference server when given a model."""
+    if req.self_check:
+        return asyncio.run(_run_self(req, progress))
     if req.reference_model is not None:
         with start_reference(req.reference_model, parallel=req.concurrency) as url:
             return asyncio.run(_run(req, url, progress))
@@ -299,10 +309,7 @@ async def _sample_and_rescore(
         res.samples = [samples[k] for k in sorted(samples)]
     res.draws = [d for k in sorted(draws) for d in draws[k]]
     res.rescored = len(res.draws)
-    dr = [s.drafted for s in res.samples if s.drafted is not None]
-    ac = [s.accepted for s in res.samples if s.accepted is not None]
-    res.drafted = sum(dr) if dr else None
-    res.accepted = sum(ac) if ac else None
+    _counts(res)
     if eng_failed:
         res.error = eng_failed[0]
         if len(res.samples) < len(jobs):
@@ -312,6 +319,69 @@ async def _sample_and_rescore(
             f"the reference failed after {res.rescored} of {res.sampled_tokens} sampled tokens "
             f"were re-scored: {ref_failed[0]}"
         )
+
+
+async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> RescoreResult:
+    """Every sampled token against the distribution the engine itself reported for it
+    (post-sampling): no reference, so it needs nothing but the engine. It tests whether the
+    engine samples what it says it samples; tokens it reported nothing for (placeholders) are
+    counted, not tested."""
+    from specaudit.rescore.reference import support_size
+
+    t0 = time.monotonic()
+    ident = await _engine_identity(req)
+    n_probs = support_size(req.sampler, ident.n_vocab if ident else None)
+    async with Reference(req.url, req.sampler, timeout=req.timeout) as tok:  # its tokenizer
+        prompts = [list(p) for p in req.prompt_ids] or [await tok.tokenize(t) for t in req.prompts]
+    sampler = ServerSampler(
+        req.url, req.sampler, req.tokens, label=req.label, timeout=req.timeout,
+        concurrency=req.concurrency, report_probs=n_probs,
+    )  # fmt: skip
+    res = RescoreResult(
+        engine=req.label or req.url, reference="the engine's own reported distributions",
+        identity=ident, prompts=prompts, seeds=req.seeds, tokens=req.tokens, sampler=req.sampler,
+    )  # fmt: skip
+    sem = asyncio.Semaphore(req.concurrency)
+    seeds = range(req.seed_start, req.seed_start + req.seeds)
+    jobs = [(s, p) for s in seeds for p in range(len(prompts))]
+    got: dict[tuple[int, int], Sample] = {}
+
+    async def one(seed: int, p: int) -> None:
+        async with sem:
+            got[(seed, p)] = await sampler.sample(p, prompts[p], seed)
+        if progress:
+            progress(len(got), len(jobs))
+
+    try:
+        await asyncio.gather(*(one(s, p) for s, p in jobs))
+    except (ClientError, RescoreError) as e:
+        res.error = f"{e} (after {len(got)} of {len(jobs)} samples)"
+    finally:
+        await sampler.aclose()
+    res.samples = [got[k] for k in sorted(got)]
+    for s in res.samples:
+        for i, (tok_id, nt) in enumerate(zip(s.ids, s.reported, strict=True)):
+            if nt is None:
+                res.unreported += 1
+                continue
+            key = f"{s.prompt}:" + ",".join(map(str, s.ids[:i]))
+            res.draws.append(TokenDraw(s.seed, s.prompt, i, key, tok_id, nt))
+    res.rescored = len(res.draws)
+    _counts(res)
+    res.total_seconds = time.monotonic() - t0
+    if res.error is None:
+        if not res.draws:
+            res.error = "the engine reported no distribution for any token (placeholders only)"
+        else:
+            res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
+    return res
+
+
+def _counts(res: RescoreResult) -> None:
+    dr = [s.drafted for s in res.samples if s.drafted is not None]
+    ac = [s.accepted for s in res.samples if s.accepted is not None]
+    res.drafted = sum(dr) if dr else None
+    res.accepted = sum(ac) if ac else None
 
 
 def with_seeds(req: RescoreRequest, seeds: int) -> RescoreRequest:

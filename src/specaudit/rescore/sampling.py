@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from specaudit.client import AsyncClient, ClientError
 from specaudit.distribution.engines import SAMPLER_CHAIN
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import RescoreError
+from specaudit.rescore.records import NextToken, RescoreError
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Sample:
     ids: tuple[int, ...]
     drafted: int | None = None
     accepted: int | None = None
+    # the engine's own post-sampling distribution per token (`ServerSampler(report_probs=)`):
+    # None where it reported none that covers the sampler's support (a placeholder)
+    reported: tuple[NextToken | None, ...] = ()
 
 
 class Sampler(Protocol):
@@ -61,6 +64,7 @@ class ServerSampler:
         label: str | None = None,
         timeout: float = 60.0,
         concurrency: int = 4,
+        report_probs: int = 0,
     ) -> None:
         self.url = url.rstrip("/")
         self.label = label or self.url
@@ -74,6 +78,8 @@ class ServerSampler:
             "return_tokens": True,
             "cache_prompt": False,
         }
+        if report_probs:  # the engine's own processed distribution per token, for --self
+            self._body.update(n_probs=report_probs, post_sampling_probs=True)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -95,7 +101,29 @@ class ServerSampler:
             )
         t = body.get("timings") if isinstance(body, dict) else None
         t = t if isinstance(t, dict) else {}
-        return Sample(seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")))
+        reported = _reported(body, len(ids)) if "n_probs" in self._body else ()
+        return Sample(
+            seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")), reported
+        )
+
+
+def _reported(body: Any, n: int) -> tuple[NextToken | None, ...]:
+    """Each token's reported post-sampling distribution (None: none, or not covering the
+    sampler's support: what a placeholder is)."""
+    from specaudit.rescore.reference import COVERAGE
+
+    entries = body.get("completion_probabilities") if isinstance(body, dict) else None
+    entries = entries if isinstance(entries, list) else []
+    out: list[NextToken | None] = []
+    for i in range(n):
+        probs: dict[int, float] = {}
+        try:
+            for c in entries[i]["top_probs"]:
+                probs[int(c["id"])] = float(c["prob"])
+        except (IndexError, KeyError, TypeError, ValueError):
+            probs = {}
+        out.append(NextToken(probs=probs) if sum(probs.values()) >= COVERAGE else None)
+    return tuple(out)
 
 
 class Tokenizer(Protocol):
