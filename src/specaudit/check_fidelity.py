@@ -10,13 +10,20 @@ known exactly (a chat template would have to be re-applied and re-tokenised).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specaudit import fidelity
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.reference import ServerReference, identity_from_models
+from specaudit.rescore.reference import (
+    ServerReference,
+    completion_body,
+    identity_from_models,
+    incremental_answers,
+)
 
 # Both modes, streamed and not: what a client of /completion can ask for.
 KINDS = (
@@ -51,6 +58,41 @@ class FidelitySummary:
         return self.counts.real_wrong
 
 
+def measure_floor(
+    reference: str,
+    ref: ServerReference,
+    ids: Sequence[int],
+    sampler: SamplerSettings,
+    *,
+    tokens: int,
+    timeout: float = 120.0,
+) -> fidelity.NoiseFloor:
+    """The reference's own spread for the prompt and for prefixes along one of its own
+    samples: the same request 1, 2 and 4 at a time (`fidelity.server_noise_floor`), and the
+    last 1-4 tokens evaluated as one batch on a cached prefix (`incremental_answers`), the
+    shape of a verification batch."""
+    body = {**completion_body(ids, sampler, 1), "n_predict": tokens, "return_tokens": True}
+    with Client(reference, timeout=timeout) as c:
+        gen = [int(t) for t in c.post("/completion", body).get("tokens", [])]
+    prefixes = [list(ids) + gen[:j] for j in range(0, len(gen) + 1, max(1, len(gen) // 3))]
+    groups = []
+    for p in prefixes:
+        answers = [ref.next_token(p)]
+        answers += incremental_answers(
+            reference, p, sampler, SAMPLER_TOP_K, raw_probs=ref.raw_probs, timeout=timeout
+        )
+        for b in NOISE_BATCHES[1:]:
+            with ThreadPoolExecutor(b) as ex:
+                futs = [
+                    ex.submit(fidelity.ask_next_token, reference, p, sampler.request_fields(),
+                              SAMPLER_TOP_K, timeout)
+                    for _ in range(b)
+                ]  # fmt: skip
+                answers += [f.result() for f in futs]
+        groups.append(answers)
+    return fidelity.noise_floor(groups)
+
+
 def run(
     url: str,
     reference: str,
@@ -82,10 +124,9 @@ def run(
     ids = ref.tokenize(prompt)
     sampling = sampler.request_fields()
     try:
-        floor = fidelity.server_noise_floor(
-            reference, [ids], sampling, SAMPLER_TOP_K, batches=NOISE_BATCHES, timeout=timeout
+        tol = fidelity.tolerance(
+            measure_floor(reference, ref, ids, sampler, tokens=tokens, timeout=timeout)
         )
-        tol = fidelity.tolerance(floor)
         res = fidelity.probe_server(
             url, prompt=ids, prompt_ids=ids, reference=ref, tol=tol, sampling=sampling,
             seeds=[seed], tokens=tokens, n_probs=top_k, kinds=KINDS, timeout=timeout,

@@ -198,6 +198,15 @@ class Reference:
         self._n_probs = support_size(self.sampler, ident.n_vocab)
         return ident
 
+    async def raw(self, ids: Sequence[int], n: int) -> dict[int, float]:
+        """The raw (pre-sampling) top-`n` log-probabilities after `ids`."""
+        async with self._sem:
+            body = await self._client.post(
+                "/completion", completion_body(ids, self.sampler, n, post=False)
+            )
+            self.requests += 1
+        return parse_next_token(body, post=False)
+
     async def tokenize(self, text: str) -> list[int]:
         """The reference's token ids of `text` (special tokens parsed, BOS added as the
         server adds it to a text prompt)."""
@@ -303,6 +312,75 @@ class ServerReference:
             raise RescoreError("the reference's /tokenize answered without tokens") from None
 
 
+def incremental_answers(
+    url: str,
+    ids: Sequence[int],
+    sampler: SamplerSettings,
+    n_probs: int,
+    *,
+    raw_probs: int = 20,
+    ks: Sequence[int] = (1, 2, 3, 4),
+    timeout: float = 120.0,
+) -> list[NextToken]:
+    """The reference's answers for `ids` when its last k tokens are evaluated as one batch on
+    top of a cached prefix (k in `ks`), as a speculating server's verification batch is.
+
+    Why: on a quantised model the logits move with the batch shape (which kernels run, how the
+    sums are split); a server that reports exactly what it sampled from still differs from a
+    reference that evaluated the prefix in one piece. This spread is part of the noise floor
+    the fidelity tolerance and the same-model probe are measured from. Slot 0 is pinned so the
+    prefix cache is the one just filled.
+    """
+    out: list[NextToken] = []
+    with Client(url, timeout=timeout) as c:
+        for k in ks:
+            if len(ids) <= k:
+                continue
+            warm = {**completion_body(ids[:-k], sampler, 1), "id_slot": 0}
+            c.post("/completion", warm)
+            post = parse_next_token(
+                c.post("/completion", {**completion_body(ids, sampler, n_probs), "id_slot": 0}),
+                post=True,
+            )
+            c.post("/completion", warm)
+            raw = parse_next_token(
+                c.post(
+                    "/completion",
+                    {**completion_body(ids, sampler, raw_probs, post=False), "id_slot": 0},
+                ),
+                post=False,
+            )
+            out.append(NextToken(probs=post, logprobs=raw))
+    return out
+
+
+def noise_spread(
+    url: str, ids: Sequence[int], sampler: SamplerSettings, n_probs: int, timeout: float = 120.0
+) -> tuple[float, float]:
+    """How much the reference disagrees with itself on `ids` across batch shapes (one piece,
+    and the last 1-4 tokens as one batch on a cached prefix): (largest TV between two
+    answers, largest spread of a raw logprob). The floor under the same-model probe and the
+    top-k boundary rule."""
+    with Client(url, timeout=timeout) as c:
+        whole = NextToken(
+            probs=parse_next_token(
+                c.post("/completion", completion_body(ids, sampler, n_probs)), post=True
+            ),
+            logprobs=parse_next_token(
+                c.post("/completion", completion_body(ids, sampler, n_probs + 20, post=False)),
+                post=False,
+            ),
+        )
+    answers = [whole, *incremental_answers(url, ids, sampler, n_probs, raw_probs=n_probs + 20)]
+    tv = max(probe_difference(a.probs, b.probs) for a in answers for b in answers)
+    common = set.intersection(*(set(a.logprobs) for a in answers))
+    lp = max(
+        (max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers) for t in common),
+        default=0.0,
+    )
+    return tv, lp
+
+
 def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     """Total-variation distance between two next-token distributions (token id -> prob)."""
     keys = set(a) | set(b)
@@ -350,6 +428,8 @@ __all__ = [
     "Reference",
     "ServerReference",
     "completion_body",
+    "incremental_answers",
+    "noise_spread",
     "identity_from_models",
     "parse_next_token",
     "probe_difference",

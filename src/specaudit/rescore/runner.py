@@ -27,15 +27,18 @@ from specaudit.rescore.reference import (
     ModelIdentity,
     Reference,
     identity_from_models,
+    noise_spread,
     parse_next_token,
     probe_difference,
     start_reference,
+    support_size,
 )
 from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSampler
 
 ENGINES = ("server", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
 MAX_TOKENS = 512
+BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 
 ProgressFn = Callable[[int, int], None]
 
@@ -157,6 +160,9 @@ class RescoreResult:
     total_seconds: float = 0.0
     reference_requests: int = 0
     unreported: int = 0  # --self: tokens the engine reported no covering distribution for
+    boundary: int = 0  # tokens at the reference's top-k edge within its own noise (not tested)
+    noise_tv: float | None = None  # the reference's own spread across batch shapes
+    noise_logprob: float | None = None
     draws: list[TokenDraw] = field(default_factory=list, repr=False)
 
     @property
@@ -220,12 +226,17 @@ async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -
                 f"engine and reference do not serve the same model: {', '.join(diff)}"
             )
         prompts = [list(p) for p in req.prompt_ids] or [await ref.tokenize(t) for t in req.prompts]
+        n_probs = support_size(req.sampler, ident.n_vocab)
+        tv_floor, lp_floor = await asyncio.to_thread(
+            noise_spread, ref_url, prompts[0], req.sampler, n_probs, req.timeout
+        )
         tv = await _probe(req, ref, prompts[0])
-        if tv is not None and tv > PROBE_TOLERANCE:
+        allowed = max(PROBE_TOLERANCE, 2 * tv_floor)
+        if tv is not None and tv > allowed:
             raise RescoreError(
                 f"engine and reference do not serve the same model: their next-token "
-                f"distributions for the first prompt differ by TV {tv:.3f} "
-                f"(> {PROBE_TOLERANCE})"
+                f"distributions for the first prompt differ by TV {tv:.3f} (> {allowed:.3f}, "
+                f"twice the reference's own spread across batch shapes or {PROBE_TOLERANCE})"
             )
         sampler: Sampler
         if req.engine == "server":
@@ -241,9 +252,12 @@ async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -
         res = RescoreResult(
             engine=req.label or req.url, reference=ref_url, identity=ident, prompts=prompts,
             seeds=req.seeds, tokens=req.tokens, sampler=req.sampler, probe_tv=tv,
+            noise_tv=tv_floor, noise_logprob=lp_floor,
         )  # fmt: skip
         try:
             await _sample_and_rescore(req, sampler, ref, prompts, res, progress)
+            if res.error is None:
+                await _split_boundary(res, ref, n_probs, max(2 * lp_floor, BOUNDARY_MIN))
         finally:
             await sampler.aclose()
             res.reference_requests = ref.requests
@@ -251,6 +265,30 @@ async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -
     if res.error is None:
         res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
     return res
+
+
+async def _split_boundary(res: RescoreResult, ref: Reference, n_probs: int, margin: float) -> None:
+    """Tokens outside the reference's top-k whose raw logprob is within `margin` of the k-th
+    token's: on a quantised model batch-shape noise can swap the k-th and (k+1)-th tokens,
+    so these are counted (`boundary`) and left out of the PIT; tokens further out stay
+    impossible (BROKEN)."""
+    keep: list[TokenDraw] = []
+    for d in res.draws:
+        if d.token in d.ref.probs:
+            keep.append(d)
+            continue
+        raw = await ref.raw([*res.prompts[d.prompt], *_generated(res, d)], n_probs + 20)
+        support = [raw[t] for t in d.ref.probs if t in raw]
+        if d.token in raw and support and raw[d.token] >= min(support) - margin:
+            res.boundary += 1
+        else:
+            keep.append(d)
+    res.draws = keep
+
+
+def _generated(res: RescoreResult, d: TokenDraw) -> list[int]:
+    key = d.prefix_key.split(":", 1)[1]
+    return [int(t) for t in key.split(",")] if key else []
 
 
 async def _sample_and_rescore(
