@@ -319,11 +319,12 @@ def incremental_answers(
     n_probs: int,
     *,
     raw_probs: int = 20,
-    ks: Sequence[int] = (1, 2, 3, 4),
+    ks: Sequence[int] = (1, 2, 4, 8, 16),
     timeout: float = 120.0,
 ) -> list[NextToken]:
     """The reference's answers for `ids` when its last k tokens are evaluated as one batch on
-    top of a cached prefix (k in `ks`), as a speculating server's verification batch is.
+    top of a cached prefix (k in `ks`), as a speculating server's verification batch is (up to
+    the draft length, 16 by default).
 
     Why: on a quantised model the logits move with the batch shape (which kernels run, how the
     sums are split); a server that reports exactly what it sampled from still differs from a
@@ -355,29 +356,47 @@ def incremental_answers(
 
 
 def noise_spread(
-    url: str, ids: Sequence[int], sampler: SamplerSettings, n_probs: int, timeout: float = 120.0
+    url: str,
+    ids: Sequence[int],
+    sampler: SamplerSettings,
+    n_probs: int,
+    timeout: float = 120.0,
+    extend: int = 24,
 ) -> tuple[float, float]:
-    """How much the reference disagrees with itself on `ids` across batch shapes (one piece,
-    and the last 1-4 tokens as one batch on a cached prefix): (largest TV between two
-    answers, largest spread of a raw logprob). The floor under the same-model probe and the
-    top-k boundary rule."""
+    """How much the reference disagrees with itself across batch shapes and slots: (largest TV
+    between two answers, largest spread of a raw logprob), over `ids` and `ids` extended by
+    `extend` tokens of the reference's own. Answers: the prefix in one piece, its last 1-16
+    tokens as one batch on a cached prefix (`incremental_answers`), and four identical
+    requests at once (batched across the reference's slots). The floor under the same-model
+    probe and the top-k boundary rule."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def whole(p: Sequence[int]) -> NextToken:
+        with Client(url, timeout=timeout) as c:
+            body = {**completion_body(p, sampler, n_probs), "cache_prompt": False}
+            raw = {**completion_body(p, sampler, n_probs + 20, post=False), "cache_prompt": False}
+            return NextToken(
+                probs=parse_next_token(c.post("/completion", body), post=True),
+                logprobs=parse_next_token(c.post("/completion", raw), post=False),
+            )
+
     with Client(url, timeout=timeout) as c:
-        whole = NextToken(
-            probs=parse_next_token(
-                c.post("/completion", completion_body(ids, sampler, n_probs)), post=True
-            ),
-            logprobs=parse_next_token(
-                c.post("/completion", completion_body(ids, sampler, n_probs + 20, post=False)),
-                post=False,
-            ),
-        )
-    answers = [whole, *incremental_answers(url, ids, sampler, n_probs, raw_probs=n_probs + 20)]
-    tv = max(probe_difference(a.probs, b.probs) for a in answers for b in answers)
-    common = set.intersection(*(set(a.logprobs) for a in answers))
-    lp = max(
-        (max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers) for t in common),
-        default=0.0,
-    )
+        gen = c.post(
+            "/completion",
+            {**completion_body(ids, sampler, 1), "n_predict": extend, "return_tokens": True},
+        ).get("tokens", [])
+    tv, lp = 0.0, 0.0
+    for p in (list(ids), [*ids, *(int(t) for t in gen)]):
+        with ThreadPoolExecutor(4) as ex:
+            answers = list(ex.map(whole, [p] * 4))
+        answers += incremental_answers(url, p, sampler, n_probs, raw_probs=n_probs + 20)
+        tv = max(tv, *(probe_difference(a.probs, b.probs) for a in answers for b in answers))
+        common = set.intersection(*(set(a.logprobs) for a in answers))
+        spreads = [
+            max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers)
+            for t in common
+        ]
+        lp = max(lp, *spreads) if spreads else lp
     return tv, lp
 
 
