@@ -23,6 +23,7 @@ from specaudit.audit import AuditContext
 from specaudit.audit.sections import dist as dist_section
 from specaudit.client import ClientError
 from specaudit.distribution import logflush
+from specaudit.distribution.coverage import kind_paths
 from specaudit.errors import ServerError
 from specaudit.llama.build import LlamaBinaries
 from specaudit.outcome import Outcome
@@ -256,8 +257,9 @@ def test_audit_section_keeps_the_other_engines_and_names_each_failure_in_one_lin
     assert sec.status is Outcome.NO_DECISION and sec.error is not None
     assert "\n" not in sec.error and "\n" not in sec.summary
     failures = sec.error.split("; ")
-    # 3 speculating paths on 2 fixtures, and the example on the last-token fixture
-    assert len(failures) == 7
+    # every speculating path of the llama fixtures on both, and the example on the last-token one
+    speculating = [p for p in kind_paths("last-token") if p != "plain"]
+    assert len(speculating) == 8 and len(failures) == 2 * len(speculating) + 1
     (example,) = [f for f in failures if "llama-speculative" in f]
     assert example.startswith(f"{SPEC.name}: llama-speculative (seed ")
     assert example.endswith("exited with code 1: error: out of memory")
