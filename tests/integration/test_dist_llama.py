@@ -111,7 +111,7 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
     for key in ("dist", "dist_context"):  # last-token, context
         res = sec.data[key]
         servers = [e for e in res.engines if e.path is not None]
-        assert [e.path for e in servers] == list(distribution.PATHS), key
+        assert [e.path for e in servers] == list(kind_paths("last-token")), key
         for e in servers:
             assert e.verdict is Verdict.PRESERVED, (key, e.path, e.reason)
             assert e.n_samples == 1000
@@ -124,7 +124,7 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
                 # drafts no more in its slot, docs/dist.md): those few may all be rejected
                 if e.path not in ("ngram-map-k", "ngram-map-k4v"):
                     assert e.accepted > 0, (key, e.path)
-        assert {p for p, _ in res.not_covered} >= {"mtp", "replay", "synthetic"}
+        assert {p for p, _ in res.not_covered} >= {"dflash/dspark", "replay", "synthetic"}
     res = sec.data["dist"]
     example = [e for e in res.engines if e.kind == "speculative-example"]
     assert len(example) == 1 and example[0].verdict is Verdict.BROKEN
@@ -133,7 +133,7 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
     assert len(sec.plots) == 2 and all(p.is_file() for p in sec.plots)
     assert "drafted" in sec.markdown and "p (Holm)" in sec.markdown
     assert "| rejected |" in sec.markdown and "Not covered" in sec.markdown
-    for path in distribution.PATHS:
+    for path in kind_paths("last-token"):
         assert f"| {path} |" in sec.markdown
 
 
