@@ -24,8 +24,9 @@ def test_every_role_is_sized_by_its_model_policy(tmp_path: Path) -> None:
         srv = presets.for_preset(p, _bins(tmp_path), m, d)
         a = _args(srv)
         pol = presets.POLICIES[p.model]
-        assert a[a.index("-np") + 1] == str(pol.parallel), name
-        assert a[a.index("-c") + 1] == str(pol.parallel * pol.ctx_per_slot), name
+        slots = 1 if p.spec_type == "draft-eagle3" else pol.parallel  # EAGLE3: one slot
+        assert a[a.index("-np") + 1] == str(slots), name
+        assert a[a.index("-c") + 1] == str(slots * pol.ctx_per_slot), name
         assert ("-t" in a) is (pol.threads is not None), name
         has_draft = p.speculative and p.spec_type.startswith("draft") and p.spec_type != "draft-mtp"
         assert ("-md" in a) is has_draft, name

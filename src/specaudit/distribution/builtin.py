@@ -112,12 +112,7 @@ def spawn_server(
     except ValueError as e:
         raise DistError(f"fixture {fixture.spec.name!r}: {e}") from None
     name = _SERVER_NAMES[path]
-    if path == "eagle3":
-        # b11434's EAGLE3 drafter shares draft state between slots: with several slots busy it
-        # aborts now and then in common_batch::get_sub_batch ("failed to add token <garbage>",
-        # from common_speculative_impl_draft_eagle3::draft), and a few samples' counts stray.
-        # One slot keeps the path measurable; docs/dist.md records the crash as a finding.
-        parallel = 1
+    # (the EAGLE3 path runs on one slot whatever `parallel` says: `presets.for_preset`)
     # presets' fixture policy: one thread (the fixture needs no second one; on a busy machine
     # extra threads only spin); a slot gets the fixture's whole context.
     srv = presets.for_preset(

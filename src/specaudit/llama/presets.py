@@ -295,6 +295,11 @@ def for_preset(
 ) -> LlamaServer:
     """The `LlamaServer` (not started) of a named role (`name`: the server's, default the
     role's)."""
+    if preset.spec_type == "draft-eagle3":
+        # b11434's EAGLE3 drafter shares draft state between slots: with several slots busy it
+        # aborts now and then in common_batch::get_sub_batch ("failed to add token <garbage>",
+        # from common_speculative_impl_draft_eagle3::draft). One slot keeps it measurable.
+        parallel = 1
     return server(
         binaries,
         model,
