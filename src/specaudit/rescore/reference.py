@@ -430,15 +430,6 @@ def start_reference(
         yield srv.url
 
 
-def slots_of(url: str, timeout: float = 10.0) -> int:
-    """How many parallel slots a llama-server has (1 when it does not say)."""
-    try:
-        with Client(url, timeout=timeout) as c:
-            return speculation.read(c).parallel
-    except ClientError:
-        return 1
-
-
 __all__ = [
     "COVERAGE",
     "MAX_SUPPORT",
@@ -452,7 +443,6 @@ __all__ = [
     "identity_from_models",
     "parse_next_token",
     "probe_difference",
-    "slots_of",
     "start_reference",
     "support_size",
 ]

@@ -9,7 +9,6 @@ nothing already drawn (the result keeps every sample and says how many tokens we
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from specaudit.rescore.reference import (
     PROBE_TOLERANCE,
     ModelIdentity,
     Reference,
+    completion_body,
     identity_from_models,
     noise_spread,
     parse_next_token,
@@ -206,8 +206,6 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
     first token always comes from the normal path, never the speculative loop)."""
     if req.engine != "server":
         return None
-    from specaudit.rescore.reference import completion_body
-
     nt = await ref.next_token(ids)
     async with AsyncClient(req.url, timeout=req.timeout) as c:
         body = await c.post("/completion", completion_body(ids, req.sampler, len(nt.probs) + 8))
@@ -422,10 +420,6 @@ def _counts(res: RescoreResult) -> None:
     res.accepted = sum(ac) if ac else None
 
 
-def with_seeds(req: RescoreRequest, seeds: int) -> RescoreRequest:
-    return dataclasses.replace(req, seeds=seeds)
-
-
 __all__ = [
     "DEFAULT_PROMPTS",
     "ENGINES",
@@ -433,5 +427,4 @@ __all__ = [
     "RescoreResult",
     "make_request",
     "run",
-    "with_seeds",
 ]
