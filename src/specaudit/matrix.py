@@ -9,7 +9,11 @@ draft-simple``) of each variant and asks:
 - `/props` vs `/slots`: what ``/props`` says about speculation and what ``/slots`` shows;
 - `dist`: does the speculating server keep the sampling distribution (stock / patched)? On
   the default (greedy-draft, sample-and-match) path, and on the rejection-sampling path
-  (``--spec-draft-sampling probabilistic``, #27694) where the build has it.
+  (``--spec-draft-sampling probabilistic``, #27694) where the build has it; and where the
+  build has the MTP drafter (``--spec-type draft-mtp``), on the mtp fixture (a glm4moe with
+  its own MTP layer, `fixtures.mtp_spec`) on the MTP paths: ``mtp`` (greedy MTP drafts,
+  sample-and-match) and ``mtp-rejection`` (probabilistic, rejection sampling), each with its
+  drafted/accepted counts, which show the MTP path really ran.
 
 Everything is measured on real binaries; a build whose source or patch is missing is an
 error (`MatrixError`), never a silently empty row.
@@ -36,6 +40,8 @@ from specaudit.stats import Verdict
 DEFAULT_BUILDS = (10705, 11205, 11434)
 DEFAULT_SEEDS = 1000
 REJECTION_FLAG = "--spec-draft-sampling"  # added with the rejection sampler (#27694)
+# the --spec-type of the MTP drafter (the MTP paths' presets)
+MTP_SPEC_TYPE = presets.PRESETS[presets.fixture_role("fixture-mtp", "mtp")].spec_type
 
 
 class MatrixError(SpecauditError):
@@ -66,6 +72,8 @@ class BuildResult:
     stock: VariantResult
     patched: VariantResult | None  # None: specaudit ships no spec-logprobs patch for it
     patched_note: str | None = None
+    # the MTP paths this build has (`build_mtp_paths`; run on the mtp fixture)
+    mtp_paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class MatrixResult:
     builds: list[BuildResult]
     seeds: int
     fixture: str
+    mtp_fixture: str | None = None  # the fixture of the MTP paths (None: no build has them)
 
     @property
     def consistent(self) -> bool:
@@ -106,30 +115,49 @@ def parse_builds(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def has_rejection(bins: LlamaBinaries) -> bool:
-    """Whether this llama-server has the rejection sampler's flag (its own --help says)."""
+def _server_help(bins: LlamaBinaries) -> str:
+    """What this llama-server's --help prints (stdout and stderr)."""
     try:
         r = subprocess.run([str(bins.server), "--help"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise MatrixError(f"cannot run {bins.server} --help: {e}") from None
-    return REJECTION_FLAG in r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def has_rejection(bins: LlamaBinaries) -> bool:
+    """Whether this llama-server has the rejection sampler's flag (its own --help says)."""
+    return REJECTION_FLAG in _server_help(bins)
+
+
+def has_mtp(bins: LlamaBinaries) -> bool:
+    """Whether this llama-server has the MTP drafter (``--spec-type draft-mtp``; its own --help
+    lists the types)."""
+    return MTP_SPEC_TYPE in _server_help(bins)
+
+
+def build_mtp_paths(bins: LlamaBinaries) -> list[str]:
+    """The MTP paths (`presets.MTP_PATHS`, on the mtp fixture) this llama-server has: none
+    without the MTP drafter, mtp-rejection only with the rejection sampler."""
+    if not has_mtp(bins):
+        return []
+    return [p for p in presets.MTP_PATHS if p != "mtp-rejection" or has_rejection(bins)]
 
 
 def _variant(
     name: str,
     bins: LlamaBinaries,
-    fs: fixtures.FixtureSet,
-    paths: Sequence[str],
+    runs: Sequence[tuple[str, fixtures.FixtureSet, str]],
     seeds: int,
     logs: Path,
     progress: ProgressFn,
 ) -> tuple[VariantResult, speculation.SpeculationInfo]:
-    wl = distribution.make_workload(fs.spec)
+    """`runs`: (presets model, its fixture, path), one server each; "greedy" among them."""
     results: dict[str, distribution.EngineResult] = {}
     info: speculation.SpeculationInfo | None = None
     chk: check.CheckResult | None = None
-    for path in paths:
-        preset = presets.PRESETS[presets.fixture_role("fixture", path)]
+    for model, fs, path in runs:
+        wl = distribution.make_workload(fs.spec)
+        preset = presets.PRESETS[presets.fixture_role(model, path)]
         label = f"b{bins.build} {name} {path}"
         srv = presets.for_preset(
             preset, bins, fs.target, fs.draft, log_path=logs / f"{label.replace(' ', '-')}.log"
@@ -143,7 +171,8 @@ def _variant(
                 with Client(srv.url, timeout=30) as c:
                     info = speculation.read(c)
             progress(f"{label}: dist ({seeds} seeds)")
-            eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=label, kind="server-spec")
+            kind = distribution.PATH_ENGINES[path][1]
+            eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=label, kind=kind)
             res = distribution.measure(eng, fs.spec, wl, range(1, seeds + 1))
             res.path = path
             results[path] = res
@@ -184,6 +213,7 @@ def run(
             )
         work_dir.mkdir(parents=True, exist_ok=True)
         fs = fixtures.build(work_dir / "fixture")
+        mtp_fs: fixtures.FixtureSet | None = None  # built for the first build with MTP
         logs = work_dir / "logs"
         logs.mkdir(exist_ok=True)
         out = []
@@ -192,13 +222,19 @@ def run(
             stock_bins = get(b, ())
             rej = has_rejection(stock_bins)
             paths = ["greedy", "rejection"] if rej else ["greedy"]
-            stock, info = _variant("stock", stock_bins, fs, paths, seeds, logs, say)
+            runs = [("fixture", fs, p) for p in paths]
+            mtp_paths = build_mtp_paths(stock_bins)
+            if mtp_paths and mtp_fs is None:
+                mtp_fs = fixtures.build(work_dir / "fixture-mtp", kind="mtp")
+            if mtp_fs is not None:
+                runs += [("fixture-mtp", mtp_fs, p) for p in mtp_paths]
+            stock, info = _variant("stock", stock_bins, runs, seeds, logs, say)
             patched: VariantResult | None = None
             note = None
             if presets.PATCH in llama.available_patches(b):
                 say(f"b{b}: {presets.PATCH} binaries")
                 patched, _ = _variant(
-                    "patched", get(b, resolve_all((presets.PATCH,), b)), fs, paths, seeds, logs, say
+                    "patched", get(b, resolve_all((presets.PATCH,), b)), runs, seeds, logs, say
                 )
             else:
                 note = f"specaudit ships no {presets.PATCH} patch for b{b}"
@@ -212,9 +248,15 @@ def run(
                     stock=stock,
                     patched=patched,
                     patched_note=note,
+                    mtp_paths=mtp_paths,
                 )
             )
-    return MatrixResult(builds=out, seeds=seeds, fixture=fs.spec.name)
+    return MatrixResult(
+        builds=out,
+        seeds=seeds,
+        fixture=fs.spec.name,
+        mtp_fixture=mtp_fs.spec.name if mtp_fs is not None else None,
+    )
 
 
 HEADERS = (
@@ -223,6 +265,8 @@ HEADERS = (
     "/props speculative.types vs /slots",
     "dist greedy draft (stock / patched)",
     "dist rejection (stock / patched)",
+    "dist mtp (stock / patched)",
+    "dist mtp-rejection (stock / patched)",
 )
 
 
@@ -261,9 +305,18 @@ def rows(res: MatrixResult) -> list[tuple[str, ...]]:
                 f"`{b.props_types}` vs {slots}",
                 f"{_dv(b.stock, 'greedy')} / {_dv(b.patched, 'greedy')}",
                 rej,
+                *(_mtp_cell(b, p) for p in presets.MTP_PATHS),
             )
         )
     return out
+
+
+def _mtp_cell(b: BuildResult, path: str) -> str:
+    if path in b.mtp_paths:
+        return f"{_dv(b.stock, path)} / {_dv(b.patched, path)}"
+    if not b.mtp_paths:
+        return f"no MTP drafter (no --spec-type {MTP_SPEC_TYPE})"
+    return "no rejection sampler (before #27694)"
 
 
 def to_markdown(res: MatrixResult) -> str:
@@ -274,6 +327,17 @@ def to_markdown(res: MatrixResult) -> str:
             f"Fixture `{res.fixture}`, speculating llama-server (draft model, draft-simple); "
             f"`check` tokens with placeholders of all tokens (24 per endpoint); `dist` "
             f"{res.seeds} seeds, top-k 3, temperature 1; acc. = draft tokens accepted/drafted.",
+            *(
+                [
+                    "",
+                    f"MTP paths on fixture `{res.mtp_fixture}` (a glm4moe with its own MTP "
+                    f"layer, --spec-type {MTP_SPEC_TYPE}, no draft model): mtp greedy MTP "
+                    "drafts (sample-and-match), mtp-rejection probabilistic ones (rejection "
+                    "sampling); drafted > 0 shows the MTP path ran.",
+                ]
+                if res.mtp_fixture is not None
+                else []
+            ),
         ]
     )
 
@@ -284,6 +348,8 @@ __all__ = [
     "MatrixError",
     "MatrixResult",
     "VariantResult",
+    "build_mtp_paths",
+    "has_mtp",
     "has_rejection",
     "parse_builds",
     "rows",

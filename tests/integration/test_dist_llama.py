@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specaudit import audit, distribution, fixtures
+from specaudit.audit import runner
 from specaudit.audit.sections import dist as dist_section
 from specaudit.distribution.coverage import kind_paths
 from specaudit.llama.build import LlamaBinaries
@@ -104,9 +105,10 @@ def test_cli_url_engine_json_and_plot(
 
 
 def test_audit_section(audit_ctx: audit.AuditContext) -> None:
-    """Both fixtures on every path (plain, greedy, rejection, ngram), and llama-speculative:
-    stock llama-server PRESERVED on every path at the default 1000 seeds; every speculating
-    path really drafted; the example BROKEN; the paths no fixture covers listed."""
+    """Both fixtures on every path (plain, greedy, rejection, ngram), llama-speculative, and
+    the mtp fixture on the MTP paths: stock llama-server PRESERVED on every path at the
+    default 1000 seeds; every speculating path really drafted (the MTP ones with the fixture's
+    own MTP layer); the example BROKEN; the paths no fixture covers listed."""
     sec = dist_section.section(audit_ctx)
     for key in ("dist", "dist_context"):  # last-token, context
         res = sec.data[key]
@@ -129,11 +131,29 @@ def test_audit_section(audit_ctx: audit.AuditContext) -> None:
     example = [e for e in res.engines if e.kind == "speculative-example"]
     assert len(example) == 1 and example[0].verdict is Verdict.BROKEN
     assert not any(e.kind == "speculative-example" for e in sec.data["dist_context"].engines)
+    mtp = sec.data["dist_mtp"]
+    assert mtp is not None and mtp.fixture == audit_ctx.mtp_fixture.spec.name
+    assert [e.path for e in mtp.engines] == ["mtp", "mtp-rejection"]
+    for e in mtp.engines:
+        assert e.verdict is Verdict.PRESERVED, (e.path, e.reason)
+        assert e.n_samples == 1000
+        assert e.drafted is not None and e.accepted is not None, e.path
+        assert e.drafted > 0 and 0 < e.accepted < e.drafted, e.path
+        row = f"| {mtp.fixture} | {e.engine} | {e.path} | PRESERVED | 1000 | {e.drafted} |"
+        assert row in sec.markdown, row
+    # report.json carries the MTP rows' verdicts and counts
+    rep = runner.AuditReport(audit_ctx.out_dir, [sec], started="", seconds=0.0, binaries={})
+    (js,) = runner.to_json(rep)["sections"]
+    got = [
+        (e["path"], e["verdict"], e["drafted"], e["accepted"])
+        for e in js["data"]["dist_mtp"]["engines"]
+    ]
+    assert got == [(e.path, "PRESERVED", e.drafted, e.accepted) for e in mtp.engines]
     assert sec.status == "finding"
-    assert len(sec.plots) == 2 and all(p.is_file() for p in sec.plots)
+    assert len(sec.plots) == 3 and all(p.is_file() for p in sec.plots)
     assert "drafted" in sec.markdown and "p (Holm)" in sec.markdown
     assert "| rejected |" in sec.markdown and "Not covered" in sec.markdown
-    for path in kind_paths("last-token"):
+    for path in (*kind_paths("last-token"), "mtp", "mtp-rejection"):
         assert f"| {path} |" in sec.markdown
 
 

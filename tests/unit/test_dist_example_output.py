@@ -246,7 +246,8 @@ def test_audit_section_keeps_the_other_engines_and_names_each_failure_in_one_lin
     monkeypatch.setattr(dist_section, "SEEDS", range(1, 31))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _script(bin_dir / "llama-server", "echo '--spec-draft-sampling'")  # has the rejection path
+    # has the rejection path and the MTP drafter
+    _script(bin_dir / "llama-server", "echo '--spec-draft-sampling'; echo 'draft-mtp'")
     _script(bin_dir / "llama-speculative", "echo 'error: out of memory' >&2; exit 1")
     bins = LlamaBinaries(bin_dir, 11434, "stock")
     with (
@@ -257,9 +258,14 @@ def test_audit_section_keeps_the_other_engines_and_names_each_failure_in_one_lin
     assert sec.status is Outcome.NO_DECISION and sec.error is not None
     assert "\n" not in sec.error and "\n" not in sec.summary
     failures = sec.error.split("; ")
-    # every speculating path of the llama fixtures on both, and the example on the last-token one
+    # every speculating path of the llama fixtures on both, the example on the last-token one,
+    # and the MTP paths on the mtp fixture
     speculating = [p for p in kind_paths("last-token") if p != "plain"]
-    assert len(speculating) == 8 and len(failures) == 2 * len(speculating) + 1
+    assert len(speculating) == 8 and len(failures) == 2 * len(speculating) + 1 + 2
+    mtp_name = sec.data["dist_mtp"].fixture
+    for label in ("llama-server + MTP, greedy", "llama-server + MTP, rejection"):
+        assert any(f.startswith(f"{mtp_name}: {label}: fixture-mtp-") for f in failures), label
+    assert sec.data["dist_mtp"].engines == []
     (example,) = [f for f in failures if "llama-speculative" in f]
     assert example.startswith(f"{SPEC.name}: llama-speculative (seed ")
     assert example.endswith("exited with code 1: error: out of memory")

@@ -60,6 +60,7 @@ class AuditContext:
         self._bins: dict[str, LlamaBinaries] = {}
         self._fixture: FixtureSet | None = None
         self._context_fixture: FixtureSet | None = None
+        self._mtp_fixture: FixtureSet | None = None
         self._gemma: Path | None = None
         self.log_dir = out_dir / "logs"
 
@@ -102,6 +103,17 @@ class AuditContext:
         return self._context_fixture
 
     @property
+    def mtp_fixture(self) -> FixtureSet:
+        """The mtp-kind fixture set (`fixtures.mtp_spec`: a glm4moe with its own MTP layer, the
+        model of the MTP paths), built once."""
+        if self._mtp_fixture is None:
+            from specaudit import fixtures
+
+            self.progress("building the mtp fixture")
+            self._mtp_fixture = fixtures.build(self.out_dir / "fixtures-mtp", kind="mtp")
+        return self._mtp_fixture
+
+    @property
     def gemma(self) -> Path:
         if self._gemma is None:
             from specaudit.models import gemma_270m
@@ -115,6 +127,8 @@ class AuditContext:
             return self.fixture
         if model == "fixture-context":
             return self.context_fixture
+        if model == "fixture-mtp":
+            return self.mtp_fixture
         return None
 
     def model_path(self, model: str) -> Path:
