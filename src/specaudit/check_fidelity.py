@@ -18,8 +18,10 @@ from specaudit import fidelity
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
+from specaudit.rescore.records import NextToken
 from specaudit.rescore.reference import (
     ServerReference,
+    ask_next_token,
     completion_body,
     identity_from_models,
     incremental_answers,
@@ -68,27 +70,30 @@ def measure_floor(
     timeout: float = 120.0,
 ) -> fidelity.NoiseFloor:
     """The reference's own spread for the prompt and for prefixes along one of its own
-    samples: the same request 1, 2 and 4 at a time (`fidelity.server_noise_floor`), and the
-    last 1-4 tokens evaluated as one batch on a cached prefix (`incremental_answers`), the
-    shape of a verification batch."""
+    samples: the same request 1, 2 and 4 at a time, the prefix in one batch (as
+    `fidelity.server_noise_floor`), and the last 1-4 tokens evaluated as one batch on a cached
+    prefix (`incremental_answers`), the shape of a verification batch. Every answer is asked
+    for `ref.support` candidates with `ref.raw_probs` raw logprobs, as `ref` asks."""
     body = {**completion_body(ids, sampler, 1), "n_predict": tokens, "return_tokens": True}
     with Client(reference, timeout=timeout) as c:
         gen = [int(t) for t in c.post("/completion", body).get("tokens", [])]
     prefixes = [list(ids) + gen[:j] for j in range(0, len(gen) + 1, max(1, len(gen) // 3))]
+
+    def whole(p: Sequence[int]) -> NextToken:
+        return ask_next_token(
+            reference, p, sampler, ref.support, raw_probs=ref.raw_probs, cache_prompt=False,
+            timeout=timeout,
+        )  # fmt: skip
+
     groups = []
     for p in prefixes:
         answers = [ref.next_token(p)]
         answers += incremental_answers(
-            reference, p, sampler, SAMPLER_TOP_K, raw_probs=ref.raw_probs, timeout=timeout
+            reference, p, sampler, ref.support, raw_probs=ref.raw_probs, timeout=timeout
         )
         for b in NOISE_BATCHES[1:]:
             with ThreadPoolExecutor(b) as ex:
-                futs = [
-                    ex.submit(fidelity.ask_next_token, reference, p, sampler.request_fields(),
-                              SAMPLER_TOP_K, timeout)
-                    for _ in range(b)
-                ]  # fmt: skip
-                answers += [f.result() for f in futs]
+                answers += list(ex.map(whole, [p] * b))
         groups.append(answers)
     return fidelity.noise_floor(groups)
 

@@ -41,6 +41,7 @@ from specaudit.logprobs import (
     from_stream,
 )
 from specaudit.rescore.records import NextToken
+from specaudit.rescore.reference import ask_next_token, sampling_fields
 
 Mode = Literal[
     "pre", "post"
@@ -538,9 +539,15 @@ def request_body(
     tokens: int,
     n_probs: int,
 ) -> dict[str, Any]:
-    """The request for one probe: `n_probs` candidates per token and the sampler settings the
-    reference is computed for (llama-server takes them on both endpoints)."""
-    common: dict[str, Any] = {**sampling, "seed": seed, "post_sampling_probs": kind.post}
+    """The request for one probe: `n_probs` candidates per token and the sampler fields the
+    reference is asked with (`specaudit.rescore.reference.sampling_fields`: the same chain,
+    settings and ``ignore_eos``, so both mean the same distribution; llama-server takes them on
+    both endpoints)."""
+    common: dict[str, Any] = {
+        **sampling_fields(sampling),
+        "seed": seed,
+        "post_sampling_probs": kind.post,
+    }
     if kind.endpoint == "chat":
         if not isinstance(prompt, str):
             raise FidelityError("a chat probe needs the prompt as text")
@@ -611,35 +618,6 @@ def probe_server(
 # references
 
 
-def ask_next_token(
-    url: str,
-    ids: Sequence[int],
-    sampling: Mapping[str, float | int],
-    n_probs: int,
-    timeout: float = 120.0,
-) -> NextToken:
-    """A plain llama-server's answer for one prefix: its first token's candidates without and
-    with ``post_sampling_probs`` (prompt as token ids, ``n_predict: 1``, no prompt cache, so
-    the whole prefix is one batch). `n_probs` must cover the sampler's support."""
-    recs = []
-    with Client(url, timeout=timeout) as c:
-        for post in (False, True):
-            body = {
-                **sampling,
-                "prompt": list(ids),
-                "n_predict": 1,
-                "n_probs": n_probs,
-                "post_sampling_probs": post,
-                "cache_prompt": False,
-                "seed": 1,
-            }
-            got = from_response("completion", c.post("/completion", body), n_probs)
-            if not got:
-                raise FidelityError(f"{url} returned no token for a prefix of {len(ids)} ids")
-            recs.append(got[0])
-    return next_token_from_records(recs[0], recs[1])
-
-
 def server_noise_floor(
     url: str,
     prefixes: Sequence[Sequence[int]],
@@ -652,16 +630,21 @@ def server_noise_floor(
 ) -> NoiseFloor:
     """The noise floor of a plain server: for each prefix, its answers when the same request
     comes `b` at a time for each `b` of `batches` (the server batches them across its slots),
-    plus `extra`'s answer (e.g. the closed form) when given."""
+    plus `extra`'s answer (e.g. the closed form) when given. Each answer is the reference's own
+    request (`specaudit.rescore.reference.ask_next_token`), the prefix in one batch (no prompt
+    cache); `n_probs` must cover the sampler's support."""
     groups = []
     for ids in prefixes:
         answers = [extra.next_token(ids)] if extra is not None else []
         for b in batches:
             with ThreadPoolExecutor(b) as ex:
                 futs = [
-                    ex.submit(ask_next_token, url, ids, sampling, n_probs, timeout)
+                    ex.submit(
+                        ask_next_token, url, ids, sampling, n_probs, cache_prompt=False,
+                        timeout=timeout,
+                    )
                     for _ in range(b)
-                ]
+                ]  # fmt: skip
                 answers += [f.result() for f in futs]
         groups.append(answers)
     return noise_floor(groups)
@@ -750,9 +733,8 @@ __all__ = [
     "NoiseFloor",
     "Probe",
     "ProbeKind",
-    "Tolerance",
-    "ask_next_token",
     "TokenFidelity",
+    "Tolerance",
     "classify",
     "classify_token",
     "count",

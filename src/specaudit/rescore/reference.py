@@ -106,21 +106,63 @@ def support_size(sampler: SamplerSettings, n_vocab: int | None) -> int:
     return k
 
 
+def sampling_fields(sampler: SamplerSettings | Mapping[str, float | int]) -> dict[str, Any]:
+    """The request fields that fix the processed next-token distribution, for the reference and
+    the engine under test alike: the sampler chain (top-k, top-p, min-p, temperature, in
+    llama.cpp's order), its settings, and end-of-generation tokens masked (``ignore_eos``).
+
+    Why ``ignore_eos`` on both sides: it removes the end tokens from the post-sampling
+    distribution (their logit becomes -inf), so a side asked without it puts the EOS token's mass
+    back and every other probability moves by that much; raw (pre-sampling) logprobs are the
+    logits' softmax and do not change. `sampler` is a `SamplerSettings` or its
+    ``request_fields()``."""
+    fields = sampler.request_fields() if isinstance(sampler, SamplerSettings) else dict(sampler)
+    return {"samplers": list(SAMPLER_CHAIN), **fields, "ignore_eos": True}
+
+
 def completion_body(
-    ids: Sequence[int], sampler: SamplerSettings, n_probs: int, *, post: bool = True
+    ids: Sequence[int],
+    sampler: SamplerSettings | Mapping[str, float | int],
+    n_probs: int,
+    *,
+    post: bool = True,
+    cache_prompt: bool = True,
 ) -> dict[str, Any]:
-    """A ``/completion`` request for the next-token distribution after `ids`."""
+    """The ``/completion`` request for the next-token distribution after exactly `ids`: one
+    token, `n_probs` candidates, post-sampling (the processed distribution) or raw
+    (``post=False``: the logits' top-`n_probs` log-softmax). ``cache_prompt=False`` evaluates
+    the whole prefix as one batch."""
     return {
         "prompt": list(ids),
         "n_predict": 1,
         "n_probs": n_probs,
         "post_sampling_probs": post,
-        "samplers": list(SAMPLER_CHAIN),
-        **sampler.request_fields(),
+        **sampling_fields(sampler),
         "seed": 0,
-        "ignore_eos": True,  # as the engine under test is asked (rescore.sampling)
-        "cache_prompt": True,
+        "cache_prompt": cache_prompt,
     }
+
+
+def ask_next_token(
+    url: str,
+    ids: Sequence[int],
+    sampler: SamplerSettings | Mapping[str, float | int],
+    n_probs: int,
+    *,
+    raw_probs: int | None = None,
+    cache_prompt: bool = True,
+    timeout: float = 120.0,
+) -> NextToken:
+    """A plain llama-server's answer for one prefix (`completion_body`, asked twice): the
+    processed distribution over `n_probs` candidates (must cover the sampler's support) and the
+    raw top-`raw_probs` log-probabilities (default `n_probs`)."""
+    post_body = completion_body(ids, sampler, n_probs, cache_prompt=cache_prompt)
+    raw_n = n_probs if raw_probs is None else raw_probs
+    raw_body = completion_body(ids, sampler, raw_n, post=False, cache_prompt=cache_prompt)
+    with Client(url, timeout=timeout) as c:
+        post = parse_next_token(c.post("/completion", post_body), post=True)
+        raw = parse_next_token(c.post("/completion", raw_body), post=False)
+    return NextToken(probs=post, logprobs=raw)
 
 
 def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
@@ -260,8 +302,11 @@ class Reference:
 
 class ServerReference:
     """A plain llama-server as a synchronous reference (`fidelity.NextTokenSource`): for each
-    prefix, the processed distribution over the sampler's support and the raw top-`raw_probs`
-    log-probabilities, cached per prefix. Refuses a speculating server like `Reference`."""
+    prefix, the processed distribution over the sampler's support (`support` candidates) and the
+    raw top-`raw_probs` log-probabilities (`ask_next_token`), cached per prefix. Refuses a
+    speculating server like `Reference`."""
+
+    support: int  # candidates asked for: the sampler's support (`support_size`)
 
     def __init__(
         self, url: str, sampler: SamplerSettings, *, raw_probs: int = 20, timeout: float = 120.0
@@ -276,7 +321,7 @@ class ServerReference:
     async def _prepare(self) -> ModelIdentity:
         async with Reference(self.url, self.sampler, timeout=self.timeout) as ref:
             ident = await ref.prepare()
-        self._n_probs = support_size(self.sampler, ident.n_vocab)
+        self.support = support_size(self.sampler, ident.n_vocab)
         return ident
 
     def next_token(self, ids: Sequence[int]) -> NextToken:
@@ -284,20 +329,12 @@ class ServerReference:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        with Client(self.url, timeout=self.timeout) as c:
-            post = parse_next_token(
-                c.post("/completion", completion_body(ids, self.sampler, self._n_probs)),
-                post=True,
-            )
-            raw = parse_next_token(
-                c.post(
-                    "/completion", completion_body(ids, self.sampler, self.raw_probs, post=False)
-                ),
-                post=False,
-            )
-        if sum(post.values()) < COVERAGE:
+        nt = ask_next_token(
+            self.url, ids, self.sampler, self.support, raw_probs=self.raw_probs,
+            timeout=self.timeout,
+        )  # fmt: skip
+        if sum(nt.probs.values()) < COVERAGE:
             raise RescoreError("the reference's distribution does not cover the sampler's support")
-        nt = NextToken(probs=post, logprobs=raw)
         self._cache[key] = nt
         return nt
 
@@ -372,13 +409,9 @@ def noise_spread(
     from concurrent.futures import ThreadPoolExecutor
 
     def whole(p: Sequence[int]) -> NextToken:
-        with Client(url, timeout=timeout) as c:
-            body = {**completion_body(p, sampler, n_probs), "cache_prompt": False}
-            raw = {**completion_body(p, sampler, n_probs + 20, post=False), "cache_prompt": False}
-            return NextToken(
-                probs=parse_next_token(c.post("/completion", body), post=True),
-                logprobs=parse_next_token(c.post("/completion", raw), post=False),
-            )
+        return ask_next_token(
+            url, p, sampler, n_probs, raw_probs=n_probs + 20, cache_prompt=False, timeout=timeout
+        )
 
     with Client(url, timeout=timeout) as c:
         gen = c.post(
@@ -437,12 +470,14 @@ __all__ = [
     "ModelIdentity",
     "Reference",
     "ServerReference",
+    "ask_next_token",
     "completion_body",
     "incremental_answers",
     "noise_spread",
     "identity_from_models",
     "parse_next_token",
     "probe_difference",
+    "sampling_fields",
     "start_reference",
     "support_size",
 ]
