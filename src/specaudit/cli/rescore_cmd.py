@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from specaudit import progress
 from specaudit.cli.common import (
     TEXT,
     URL,
@@ -14,6 +17,8 @@ from specaudit.cli.common import (
     SafePath,
     console,
     emit_json,
+    ensure_binaries,
+    fixture_kind_option,
     json_option,
     out,
     sample_progress,
@@ -22,20 +27,86 @@ from specaudit.cli.common import (
     timeout_option,
     tokens_option,
 )
+from specaudit.cli.dist_cmd import _EngineChoice, _known_patches
+from specaudit.distribution import registry
 from specaudit.outcome import EXIT_TAIL_HELP
+
+if TYPE_CHECKING:
+    from specaudit.llama.patches import Patch
 
 RESCORE_EXIT_HELP = (
     "\b\nExit codes:\n"
     "  0  PRESERVED: the sampled tokens are draws from the reference's distribution\n"
-    "  1  BROKEN: they are not (the reason names the test)\n"
-    "  2  no decision: bad input, a reference that speculates or serves another model, text\n"
-    "     that does not round-trip, too few samples to decide, a server that failed part-way\n"
-    + EXIT_TAIL_HELP
+    "  1  BROKEN: they are not (the reason names the test); with --dist-engine, any unit\n"
+    "  2  no decision: bad input (an engine whose extra is not installed, --dist-engine url\n"
+    "     or openai without --url), a reference that speculates or serves another model,\n"
+    "     text that does not round-trip, too few samples to decide, a server that failed\n"
+    "     part-way\n" + EXIT_TAIL_HELP
 )
 
 
-@click.command("rescore", epilog=RESCORE_EXIT_HELP)
-@click.option("--url", type=URL, required=True, metavar="URL", help="The engine under test.")
+def _dist_engine_help() -> str:
+    return (
+        "Re-score an engine of `specaudit dist` on a fixture instead of --url, repeatable: "
+        + "; ".join(f"{e.name}: {e.help}" for e in registry.entries())
+        + ". Every sampled fixture letter is re-scored against a plain stock llama-server "
+        "serving the fixture's GGUF (--reference-url, or started here); the directed test "
+        "aims at the fixture draft's favourite."
+    )
+
+
+class _RescoreCommand(click.Command):
+    """`rescore` with each registered dist engine's own options (`EngineOption`), after
+    --dist-engine (engines registered since import are listed too)."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        for p in params:
+            if isinstance(p, click.Option) and p.name == "dist_engines":
+                p.help = _dist_engine_help()
+        at = next(i for i, p in enumerate(params) if p.name == "dist_engines") + 1
+        own = [
+            click.Option(
+                [opt.flag, opt.param],
+                type=click.Choice(opt.choices),
+                multiple=True,
+                help=f"(--dist-engine {entry.name}) {opt.help}",
+            )  # fmt: skip
+            for entry, opt in registry.options()
+        ]
+        return params[:at] + own + params[at:]
+
+
+@click.command("rescore", cls=_RescoreCommand, epilog=RESCORE_EXIT_HELP)
+@click.option(
+    "--url",
+    type=URL,
+    default=None,
+    metavar="URL",
+    help="The engine under test (required without --dist-engine; with --dist-engine url or "
+    "openai, the server that engine samples).",
+)
+@click.option("--dist-engine", "dist_engines", type=_EngineChoice(), multiple=True)
+@click.option(
+    "--fixture",
+    type=SafePath(),
+    default=None,
+    help="--dist-engine: fixture directory (`specaudit fixtures build`) [default: the built-in "
+    "fixture of --fixture-kind].",
+)
+@fixture_kind_option(
+    help="--dist-engine: the built-in fixture's kind (last-token, context, mtp) [default: "
+    "last-token]."
+)
+@click.option(
+    "--patch",
+    "patches",
+    multiple=True,
+    callback=_known_patches,
+    help="--dist-engine server / speculative-example: llama.cpp built with this patch "
+    "(speculative-fix, spec-logprobs, mutants/NAME, FILE.patch); repeatable. The reference "
+    "stays stock.",
+)
 @click.option(
     "--engine",
     type=click.Choice(("server", "openai")),
@@ -61,7 +132,14 @@ RESCORE_EXIT_HELP = (
     help="No reference: test each token against the post-sampling distribution the engine "
     "itself reports for it (llama-server; placeholders are counted, not tested).",
 )
-@click.option("--prompt", "prompts", type=TEXT, multiple=True, help="Prompt (repeatable).")
+@click.option(
+    "--prompt",
+    "prompts",
+    type=TEXT,
+    multiple=True,
+    help="Prompt (repeatable); with --dist-engine one prompt in the fixture's letters "
+    "[default: the fixture's].",
+)
 @seeds_option(default=200, min_value=1, help="Seeds per prompt (1..N).")
 @tokens_option(default=8, min_value=1, help="Tokens per sample.")
 @temperature_option()
@@ -76,7 +154,11 @@ RESCORE_EXIT_HELP = (
 @timeout_option(default=60.0)
 @json_option
 def command(
-    url: str,
+    url: str | None,
+    dist_engines: tuple[str, ...],
+    fixture: Path | None,
+    fixture_kind: str | None,
+    patches: tuple[Patch, ...],
     engine: str,
     reference_url: str | None,
     reference_model: Path | None,
@@ -95,6 +177,7 @@ def command(
     plot: Path | None,
     timeout: float,
     as_json: bool,
+    **engine_options: Any,
 ) -> None:
     """Re-score any model's samples against a plain reference of the same model.
 
@@ -104,11 +187,36 @@ def command(
     PIT value, Uniform(0,1) when the engine samples what the reference says; KS, a directed
     test toward the draft's favourite, per-prefix G-tests and an anytime-valid e-process
     decide (docs/rescore.md).
+
+    With --dist-engine NAME, the engine is one of `specaudit dist`'s (its own options as
+    there), run on a fixture, and every token it samples is re-scored against a plain stock
+    llama-server serving the fixture's GGUF; one result per unit (a spawned server: one per
+    --path).
     """
     from specaudit.fixtures import SamplerSettings
     from specaudit.rescore import render, runner
 
     sampler = SamplerSettings(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    if dist_engines:
+        if self_check:
+            raise click.UsageError("--self takes --url, not --dist-engine")
+        if len(prompts) > 1:
+            raise click.UsageError("--dist-engine takes one --prompt (the fixture's letters)")
+        _dist(
+            dist_engines, url=url, fixture=fixture, fixture_kind=fixture_kind, patches=patches,
+            prompt=prompts[0] if prompts else None, reference_url=reference_url,
+            reference_model=reference_model, seeds=seeds, tokens=tokens, sampler=sampler,
+            alpha=alpha, sequential=sequential, concurrency=concurrency, timeout=timeout,
+            plot=plot, as_json=as_json,
+            options={k: (v or None) for k, v in engine_options.items()},
+        )  # fmt: skip
+    given = [n for n, v in (("--fixture", fixture), ("--fixture-kind", fixture_kind)) if v]
+    given += ["--patch"] if patches else []
+    given += [o.flag for _, o in registry.options() if engine_options.get(o.param)]
+    if given:
+        raise click.UsageError(f"{given[0]} needs --dist-engine")
+    if url is None:
+        raise click.UsageError("give --url (the engine under test) or --dist-engine NAME")
     req = runner.make_request(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
@@ -126,5 +234,45 @@ def command(
         click.echo(render.markdown(res))
     if res.error:
         console.print(f"error: {res.error}", markup=False, highlight=False)
+    out.file.flush()
+    raise SystemExit(res.exit_code)
+
+
+def _dist(
+    engines: tuple[str, ...],
+    *,
+    patches: tuple[Patch, ...],
+    plot: Path | None,
+    as_json: bool,
+    options: dict[str, Any],
+    **params: Any,
+) -> None:
+    """`rescore --dist-engine`: registry engines on a fixture, one result per unit."""
+    from specaudit.rescore import engines as rescore_engines
+    from specaudit.rescore import render
+
+    req = rescore_engines.make_request(engines, patches=patches, **params, **options)
+    if req.dist.needs_binaries:
+        req = dataclasses.replace(
+            req, dist=req.dist.with_binaries(ensure_binaries(patches=req.dist.patches))
+        )
+    with progress.bars(console=console) as bars:
+
+        def cb(label: str, done: int, total: int) -> None:
+            if not as_json:
+                bars(f"rescore {label}", done, total)
+
+        res = rescore_engines.run(req, progress=cb)
+    if plot is not None:
+        for i, r in enumerate(x for x in res.results if x.stats is not None):
+            target = plot if i == 0 else plot.with_name(f"{plot.stem}-{i + 1}{plot.suffix}")
+            render.plot_pit(r, target)
+    if as_json:
+        emit_json(render.engines_json(res))
+    else:
+        click.echo(render.engines_markdown(res))
+    for r in res.results:
+        if r.error:
+            console.print(f"error: {r.engine}: {r.error}", markup=False, highlight=False)
     out.file.flush()
     raise SystemExit(res.exit_code)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.report import md_table, to_jsonable
+from specaudit.rescore.engines import EngineRescoreResult
 from specaudit.rescore.runner import RescoreResult
 
 
@@ -18,6 +19,7 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
     token ids are kept, so a partial run loses nothing it drew."""
     d = {
         "engine": res.engine,
+        "path": res.path,
         "reference": res.reference,
         "identity": to_jsonable(res.identity),
         "prompts": res.prompts,
@@ -39,9 +41,35 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
         "total_seconds": res.total_seconds,
         "reference_requests": res.reference_requests,
         "stats": to_jsonable(res.stats),
+        "notes": res.notes,
         "samples": [to_jsonable(s) for s in res.samples],
     }
     return d
+
+
+def engines_json(res: EngineRescoreResult) -> dict[str, Any]:
+    """A registry engines' run: one `to_json` per unit, the builds' notes, the outcome."""
+    return {
+        "fixture": res.fixture,
+        "reference": res.reference,
+        "outcome": res.outcome.value,
+        "results": [to_json(r) for r in res.results],
+        "notes": res.notes,
+        "not_covered": [{"name": n, "why": w} for n, w in res.not_covered],
+    }
+
+
+def engines_markdown(res: EngineRescoreResult) -> str:
+    """One section per unit (`markdown`), then the builds' notes and what is not covered."""
+    parts = [f"fixture {res.fixture}, reference {res.reference} (plain llama-server)"]
+    for r in res.results:
+        title = r.engine + (f" (path {r.path})" if r.path else "")
+        parts += ["", f"### {title}", "", markdown(r)]
+    if res.notes:
+        parts += [""] + [f"- {n}" for n in res.notes]
+    if res.not_covered:
+        parts += ["", "not covered:"] + [f"- {n}: {w}" for n, w in res.not_covered]
+    return "\n".join(parts)
 
 
 def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
@@ -77,6 +105,8 @@ def markdown(res: RescoreResult) -> str:
     if res.stats:
         lines += ["", f"**{res.stats.verdict.value}**: {res.stats.reason}.", ""]
         lines.append(f"Power: {res.stats.power}.")
+    if res.notes:
+        lines += [""] + [f"- {n}" for n in res.notes]
     if res.error:
         lines += ["", f"error: {res.error}"]
     return "\n".join(lines)
@@ -102,4 +132,4 @@ def plot_pit(res: RescoreResult, path: Path, title: str | None = None) -> Path:
     return plots.save(fig, path)
 
 
-__all__ = ["markdown", "plot_pit", "rows", "to_json"]
+__all__ = ["engines_json", "engines_markdown", "markdown", "plot_pit", "rows", "to_json"]

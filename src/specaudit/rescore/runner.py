@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,8 @@ MAX_TOKENS = 512
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 
 ProgressFn = Callable[[int, int], None]
+# (reference, first prompt's ids) -> TV between what the engine runs and the reference, or None
+ProbeFn = Callable[[Reference, Sequence[int]], Awaitable[float | None]]
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class RescoreResult:
     boundary: int = 0  # tokens at the reference's top-k edge within its own noise (not tested)
     noise_tv: float | None = None  # the reference's own spread across batch shapes
     noise_logprob: float | None = None
+    path: str | None = None  # the verification path a registry engine's unit runs
+    notes: list[str] = field(default_factory=list)  # e.g. the impossible tokens, named
     draws: list[TokenDraw] = field(default_factory=list, repr=False)
 
     @property
@@ -186,9 +190,9 @@ def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResul
         return asyncio.run(_run_self(req, progress))
     if req.reference_model is not None:
         with start_reference(req.reference_model, parallel=req.concurrency) as url:
-            return asyncio.run(_run(req, url, progress))
+            return asyncio.run(run_against(req, url, progress))
     assert req.reference_url is not None
-    return asyncio.run(_run(req, req.reference_url, progress))
+    return asyncio.run(run_against(req, req.reference_url, progress))
 
 
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
@@ -212,7 +216,18 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
     return probe_difference(parse_next_token(body, post=True), nt.probs)
 
 
-async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -> RescoreResult:
+async def run_against(
+    req: RescoreRequest,
+    ref_url: str,
+    progress: ProgressFn | None,
+    *,
+    engine: Sampler | None = None,
+    probe: ProbeFn | None = None,
+) -> RescoreResult:
+    """`req` against the reference at `ref_url`. `engine` and `probe` replace the sampler
+    built from `req.engine` and the same-model probe of a llama-server (`rescore.engines`
+    passes a `dist` engine and the fixture's closed form); `engine` is closed once sampling
+    starts."""
     t0 = time.monotonic()
     async with Reference(
         ref_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency
@@ -228,7 +243,7 @@ async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -
         tv_floor, lp_floor = await asyncio.to_thread(
             noise_spread, ref_url, prompts[0], req.sampler, n_probs, req.timeout
         )
-        tv = await _probe(req, ref, prompts[0])
+        tv = await (probe or (lambda r, ids: _probe(req, r, ids)))(ref, prompts[0])
         allowed = max(PROBE_TOLERANCE, 2 * tv_floor)
         if tv is not None and tv > allowed:
             raise RescoreError(
@@ -237,7 +252,9 @@ async def _run(req: RescoreRequest, ref_url: str, progress: ProgressFn | None) -
                 f"twice the reference's own spread across batch shapes or {PROBE_TOLERANCE})"
             )
         sampler: Sampler
-        if req.engine == "server":
+        if engine is not None:
+            sampler = engine
+        elif req.engine == "server":
             sampler = ServerSampler(
                 req.url, req.sampler, req.tokens, label=req.label,
                 timeout=req.timeout, concurrency=req.concurrency,
@@ -275,7 +292,7 @@ async def _split_boundary(res: RescoreResult, ref: Reference, n_probs: int, marg
         if d.token in d.ref.probs:
             keep.append(d)
             continue
-        raw = await ref.raw([*res.prompts[d.prompt], *_generated(res, d)], n_probs + 20)
+        raw = await ref.raw([*res.prompts[d.prompt], *generated_ids(res, d)], n_probs + 20)
         support = [raw[t] for t in d.ref.probs if t in raw]
         if d.token in raw and support and raw[d.token] >= min(support) - margin:
             res.boundary += 1
@@ -284,7 +301,8 @@ async def _split_boundary(res: RescoreResult, ref: Reference, n_probs: int, marg
     res.draws = keep
 
 
-def _generated(res: RescoreResult, d: TokenDraw) -> list[int]:
+def generated_ids(res: RescoreResult, d: TokenDraw) -> list[int]:
+    """The tokens generated before draw `d` (its prefix without the prompt)."""
     key = d.prefix_key.split(":", 1)[1]
     return [int(t) for t in key.split(",")] if key else []
 
@@ -425,6 +443,8 @@ __all__ = [
     "ENGINES",
     "RescoreRequest",
     "RescoreResult",
+    "generated_ids",
     "make_request",
     "run",
+    "run_against",
 ]
