@@ -190,6 +190,7 @@ def test_bad_input_is_one_line(
         ("--dist-engine", "openai", "--fixture", str(fixture_set.dir)),
         ("--generator", "assistant", "--url", "http://127.0.0.1:9"),
         ("--dist-engine", "toy", "--self"),
+        ("--dist-engine", "toy", "--engine", "openai"),
     ):
         code, out, err = cli("rescore", *args)
         assert code == 2, (args, out, err)

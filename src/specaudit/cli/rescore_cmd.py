@@ -200,6 +200,8 @@ def command(
     if dist_engines:
         if self_check:
             raise click.UsageError("--self takes --url, not --dist-engine")
+        if engine != "server" or model_name != "model":
+            raise click.UsageError("--engine and --model-name go with --url, not --dist-engine")
         if len(prompts) > 1:
             raise click.UsageError("--dist-engine takes one --prompt (the fixture's letters)")
         _dist(
