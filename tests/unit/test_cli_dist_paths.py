@@ -46,7 +46,7 @@ def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
     assert distribution.PATHS == presets.PATHS == (
         "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES, "mtp", "mtp-rejection",
-        "eagle3",
+        "eagle3", "replay", "replay-rejection",
     )  # fmt: skip
     assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
@@ -56,6 +56,7 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
         ("fixture", "last-token"),
         ("fixture-context", "context"),
         ("fixture-mtp", "mtp"),
+        ("fixture-replay", "replay"),
     ):
         for path in coverage.kind_paths(kind):
             role = presets.fixture_role(model, path)
@@ -92,7 +93,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
     assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
-    assert "--fixture-kind [last-token|context|mtp]" in out
+    assert "--fixture-kind [last-token|context|mtp|replay]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
         assert f"  {p} " in out
@@ -103,7 +104,11 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
 
 def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     code, out, _ = cli("fixtures", "build", "--help")
-    assert code == 0 and "--kind [last-token|context|mtp]" in out and "default: last-token" in out
+    assert (
+        code == 0
+        and "--kind [last-token|context|mtp|replay]" in out
+        and "default: last-token" in out
+    )
 
 
 # ------------------------------------------------------------------------- option checking
@@ -354,8 +359,8 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     wl = distribution.make_workload(fixtures.default_spec())
     res = distribution.DistResult("x", Path("."), {}, wl, 0.01, 0.15, False, [e])
     rows = {(r[0], r[2]): r for r in coverage.coverage_rows(res)}
-    # draft-simple and draft-mtp: two paths each
-    assert len(rows) == len(coverage.coverage_rows(res)) == 13
+    # draft-simple: four paths (two on the replay fixture), draft-mtp: two
+    assert len(rows) == len(coverage.coverage_rows(res)) == 15
     assert rows["draft-eagle3", "eagle3"][1:4] == ("yes", "eagle3", "not run")
     assert rows["ngram-cache", "ngram-cache"][1:6] == ("yes", "ngram-cache", "PRESERVED", 12, 5)
     assert rows["ngram-map-k", "ngram-map-k"][3:6] == ("not run", None, None)
@@ -363,6 +368,8 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     assert rows["draft-simple", "rejection"][1] == "yes"
     assert rows["draft-mtp", "mtp"][1:4] == ("yes", "mtp", "not run")
     assert rows["draft-mtp", "mtp-rejection"][1] == "yes"
+    assert rows["draft-simple", "replay"][1:4] == ("yes", "replay", "not run")
+    assert rows["draft-simple", "replay-rejection"][1] == "yes"
     for t in ("draft-dflash", "draft-dspark"):
         row = rows[t, "-"]
         assert row[1:4] == ("no", "-", "-") and len(row[6]) > 40, t

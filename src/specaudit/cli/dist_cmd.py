@@ -187,8 +187,9 @@ def _engine_help() -> str:
 )
 @fixture_kind_option(
     help="Built-in fixture: last-token (the report's; each next-token distribution depends on "
-    "the previous token) or context (on the whole context, through attention) [default: "
-    "last-token]. With --fixture, that fixture must be of this kind.",
+    "the previous token), context (on the whole context, through attention), mtp (last-token, "
+    "an MTP layer drafts) or replay (last-token, a Mamba target: the checkpoint replay paths) "
+    "[default: last-token]. With --fixture, that fixture must be of this kind.",
 )
 @prompt_option(default=None, help="Prompt, in the fixture's letters [default: the fixture's].")
 @tokens_option(

@@ -22,8 +22,9 @@ def command() -> None:
     default="last-token",
     help="Which fixture: last-token (each next-token distribution depends on the previous "
     "token only: `dist`'s default), context (on the whole context, through attention: "
-    "`dist --fixture-kind context`) or mtp (last-token, with an MTP layer that drafts: "
-    "`dist --fixture-kind mtp`).",
+    "`dist --fixture-kind context`), mtp (last-token, with an MTP layer that drafts: "
+    "`dist --fixture-kind mtp`) or replay (last-token, a Mamba target: the server's "
+    "checkpoint replay, `dist --fixture-kind replay`).",
 )
 @json_option
 def build_cmd(directory: Path, fixture_kind: str, as_json: bool) -> None:

@@ -44,9 +44,16 @@ _SERVER_NAMES = {
     "mtp": "dist-mtp",
     "mtp-rejection": "dist-mtp-probabilistic",
     "eagle3": "dist-eagle3",
+    "replay": "dist-replay",
+    "replay-rejection": "dist-replay-probabilistic",
 }
 # the presets' model of each fixture kind
-_KIND_MODELS = {"last-token": "fixture", "context": "fixture-context", "mtp": "fixture-mtp"}
+_KIND_MODELS = {
+    "last-token": "fixture",
+    "context": "fixture-context",
+    "mtp": "fixture-mtp",
+    "replay": "fixture-replay",
+}
 
 
 # ------------------------------------------------------------------------------ server
@@ -261,7 +268,10 @@ SERVER = register(
                 "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
                 "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
                 "plain, mtp, mtp-rejection); eagle3 (--spec-type draft-eagle3: the fixture's "
-                "EAGLE3 head drafts from the target's hidden states).",
+                "EAGLE3 head drafts from the target's hidden states); replay, "
+                "replay-rejection (the draft model, greedy or probabilistic, on a Mamba "
+                "target: llama-server's checkpoint replay path; only --fixture-kind replay, "
+                "which runs plain, replay, replay-rejection).",
             ),
         ),
         check=_check_server,

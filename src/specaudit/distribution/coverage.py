@@ -19,10 +19,13 @@ from typing import Any
 from specaudit.distribution.results import DistError, DistResult, EngineResult
 from specaudit.llama.presets import (
     FIXTURE_NGRAM_ARGS,
+    MODEL_PATHS,
     MTP_MODEL_PATHS,
     MTP_PATHS,
     NGRAM_TYPE_ARGS,
     PATHS,
+    REPLAY_MODEL_PATHS,
+    REPLAY_PATHS,
 )
 
 # path -> (engine label, engine kind)
@@ -35,6 +38,11 @@ PATH_ENGINES: dict[str, tuple[str, str]] = {
     "mtp": ("llama-server + MTP, greedy", "server-mtp"),
     "mtp-rejection": ("llama-server + MTP, rejection", "server-mtp-rejection"),
     "eagle3": ("llama-server + EAGLE3 head", "server-eagle3"),
+    "replay": ("llama-server (Mamba) + draft, greedy, replay", "server-replay"),
+    "replay-rejection": (
+        "llama-server (Mamba) + draft, rejection, replay",
+        "server-replay-rejection",
+    ),
 }
 
 PATH_HELP: dict[str, str] = {
@@ -52,6 +60,11 @@ PATH_HELP: dict[str, str] = {
     "sampling of the MTP layer's drafts (T > 0; the mtp fixture)",
     "eagle3": "--spec-type draft-eagle3, -md the fixture's EAGLE3 head: drafts from the "
     "target's hidden states, sample-and-match",
+    "replay": "draft model, greedy, on a Mamba target: a partial acceptance restores the "
+    "target's checkpoint and re-verifies what was accepted (the replay fixture)",
+    "replay-rejection": "draft model, --spec-draft-sampling probabilistic, on a Mamba target: "
+    "rejection sampling, a partial acceptance restored and re-accepted (T > 0; the replay "
+    "fixture)",
 }
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
@@ -86,9 +99,12 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("none", ("plain",), "no speculation: the reference"),
     (
         "draft-simple",
-        ("greedy", "rejection"),
+        ("greedy", "rejection", "replay", "replay-rejection"),
         "the fixture's draft model (-md): greedy drafts verified by sample-and-match; "
-        "--spec-draft-sampling probabilistic drafts by rejection sampling (T > 0)",
+        "--spec-draft-sampling probabilistic drafts by rejection sampling (T > 0); on the "
+        "replay fixture's Mamba target (its memory cannot drop a rejected suffix) both through "
+        "the checkpoint replay path: restore, re-decode, re-verify (greedy) or re-accept "
+        "(probabilistic)",
     ),
     (
         "draft-mtp",
@@ -151,15 +167,28 @@ REJECTION_NEEDS_TEMPERATURE = (
 
 
 #: Paths that verify by rejection sampling: only at temperature > 0.
-REJECTION_PATHS = ("rejection", "mtp-rejection")
+REJECTION_PATHS = ("rejection", "mtp-rejection", "replay-rejection")
 
 
 def kind_paths(kind: str) -> tuple[str, ...]:
     """The paths a fixture kind runs: the MTP fixture `MTP_MODEL_PATHS` (only it has an MTP
-    layer, and only MTP drafts with it), every other kind every path but `MTP_PATHS`."""
+    layer, and only MTP drafts with it), the replay fixture `REPLAY_MODEL_PATHS` (only its
+    Mamba target makes llama-server replay), every other kind every other path."""
     if kind == "mtp":
         return MTP_MODEL_PATHS
-    return tuple(p for p in PATHS if p not in MTP_PATHS)
+    if kind == "replay":
+        return REPLAY_MODEL_PATHS
+    return MODEL_PATHS["fixture"]
+
+
+def path_kind(path: str) -> str:
+    """The built-in fixture kind that runs `path`: "mtp" for `MTP_PATHS`, "replay" for
+    `REPLAY_PATHS`, "last-token" for the others (the inverse of `kind_paths`)."""
+    if path in MTP_PATHS:
+        return "mtp"
+    if path in REPLAY_PATHS:
+        return "replay"
+    return "last-token"
 
 
 def check_paths(
@@ -182,12 +211,18 @@ def check_paths(
             raise DistError(f"--path {p} needs --temperature > 0 ({REJECTION_NEEDS_TEMPERATURE})")
     for p in paths:
         if p not in kind_paths(kind):
-            need = (
-                "the mtp fixture (--fixture-kind mtp): only it has an MTP layer"
-                if p in MTP_PATHS
-                else "a fixture of another kind (the mtp fixture runs "
-                f"{', '.join(MTP_MODEL_PATHS)})"
-            )
+            if p in MTP_PATHS:
+                need = "the mtp fixture (--fixture-kind mtp): only it has an MTP layer"
+            elif p in REPLAY_PATHS:
+                need = (
+                    "the replay fixture (--fixture-kind replay): only its Mamba target makes "
+                    "llama-server replay"
+                )
+            else:
+                need = (
+                    f"a fixture of another kind (the {kind} fixture runs "
+                    f"{', '.join(kind_paths(kind))})"
+                )
             raise DistError(f"--path {p} needs {need}")
     return tuple(dict.fromkeys(paths))
 
@@ -196,7 +231,11 @@ def not_covered(paths: Sequence[str], temperature: float) -> list[tuple[str, str
     """What a run of the server engine on `paths` leaves out: `NOT_COVERED`, and rejection
     (and mtp-rejection next to mtp) when temperature 0 dropped it."""
     out = list(NOT_COVERED)
-    dropped = ["rejection", *(["mtp-rejection"] if "mtp" in paths else [])]
+    dropped = [
+        "rejection",
+        *(["mtp-rejection"] if "mtp" in paths else []),
+        *(["replay-rejection"] if "replay" in paths else []),
+    ]
     for p in reversed(dropped):
         if p not in paths and not temperature > 0:
             out.insert(0, (p, REJECTION_NEEDS_TEMPERATURE))
@@ -251,6 +290,7 @@ __all__ = [
     "check_paths",
     "coverage_rows",
     "kind_paths",
+    "path_kind",
     "not_covered",
     "not_covered_lines",
     "path_rows",

@@ -17,7 +17,7 @@ from pathlib import Path
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
-MODELS = ("fixture", "fixture-context", "fixture-mtp", "gemma")
+MODELS = ("fixture", "fixture-context", "fixture-mtp", "fixture-replay", "gemma")
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
@@ -32,7 +32,7 @@ DRAFT_SAMPLING = ("greedy", "probabilistic")
 PATHS = (
     "plain", "greedy", "rejection", "ngram",
     "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
-    "mtp", "mtp-rejection", "eagle3",
+    "mtp", "mtp-rejection", "eagle3", "replay", "replay-rejection",
 )  # fmt: skip
 # The MTP paths: `--spec-type draft-mtp` with no draft model drafts with the target's own
 # multi-token-prediction layer (a second, MTP-type context on the target model), greedy
@@ -43,6 +43,23 @@ MTP_PATHS = ("mtp", "mtp-rejection")
 # "eagle3": `--spec-type draft-eagle3` with the fixture's EAGLE3 head as -md
 # (fixtures.eagle3_draft), on the llama fixtures; argmax drafts, sample-and-match.
 MTP_MODEL_PATHS = ("plain", *MTP_PATHS)
+# The checkpoint replay paths: the replay fixture (fixtures kind "replay", model
+# "fixture-replay") has a Mamba target, whose recurrent memory cannot drop a rejected draft
+# suffix, so llama-server checkpoints before verifying and, on a partial acceptance, restores
+# the checkpoint and replays what was accepted (`spec_is_replay`): with the fixture's draft
+# model greedy (sample-and-match, replayed by re-verifying) or probabilistic (rejection
+# sampling, replayed by `server_accept_replay`). That fixture runs these and "plain".
+REPLAY_PATHS = ("replay", "replay-rejection")
+REPLAY_MODEL_PATHS = ("plain", *REPLAY_PATHS)
+#: The paths each fixture model runs (the llama fixtures: every path but the MTP and replay ones).
+MODEL_PATHS: dict[str, tuple[str, ...]] = {
+    "fixture-mtp": MTP_MODEL_PATHS,
+    "fixture-replay": REPLAY_MODEL_PATHS,
+    **{
+        m: tuple(p for p in PATHS if p not in MTP_PATHS and p not in REPLAY_PATHS)
+        for m in ("fixture", "fixture-context")
+    },
+}
 
 # ngram-mod's defaults look up 24-token n-grams and draft nothing under 48 tokens: on the
 # fixture's 5-letter prompt it would never draft. Single-token lookups make it draft whenever
@@ -101,6 +118,7 @@ POLICIES = {
         parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
     ),
     "fixture-mtp": Policy(parallel=4, ctx_per_slot=256, threads=1),
+    "fixture-replay": Policy(parallel=4, ctx_per_slot=256, threads=1),
     "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
 }
 
@@ -202,6 +220,14 @@ PRESETS: dict[str, Preset] = {
             spec_type="draft-mtp",
             draft_sampling="probabilistic",
         ),
+        Preset("fixture-replay-plain", "fixture-replay", False),
+        Preset("fixture-replay-spec", "fixture-replay", True),
+        Preset(
+            "fixture-replay-spec-rejection",
+            "fixture-replay",
+            True,
+            draft_sampling="probabilistic",
+        ),
         Preset("gemma-plain", "gemma", False),
         Preset("gemma-spec", "gemma", True),
         Preset("fixture-spec-patched", "fixture", True, "patched"),
@@ -219,18 +245,21 @@ _PATH_ROLES = {
     **{t: t for t in NGRAM_TYPE_ARGS},
     **{p: p for p in MTP_PATHS},
     "eagle3": "eagle3",
+    "replay": "spec",
+    "replay-rejection": "spec-rejection",
 }
 
 
 def fixture_role(model: str, path: str) -> str:
-    """The `PRESETS` name of a fixture server (`model` "fixture", "fixture-context" or
-    "fixture-mtp") on a verification path (a `PATHS` value; the MTP fixture runs
-    `MTP_MODEL_PATHS`, the others every path but `MTP_PATHS`)."""
-    if model not in ("fixture", "fixture-context", "fixture-mtp"):
+    """The `PRESETS` name of a fixture server (`model` "fixture", "fixture-context",
+    "fixture-mtp" or "fixture-replay") on a verification path (a `PATHS` value; each model
+    runs its `MODEL_PATHS`: the MTP fixture `MTP_MODEL_PATHS`, the replay fixture
+    `REPLAY_MODEL_PATHS`, the others every other path)."""
+    if model not in MODEL_PATHS:
         raise ValueError(f"not a fixture model: {model!r}")
     if path not in _PATH_ROLES:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
-    if (model == "fixture-mtp") != (path in MTP_PATHS) and path != "plain":
+    if path not in MODEL_PATHS[model]:
         raise ValueError(f"path {path!r} does not run on the {model!r} model")
     return f"{model}-{_PATH_ROLES[path]}"
 
@@ -243,6 +272,8 @@ def path_of(preset: Preset) -> str:
         return "mtp-rejection" if preset.draft_sampling == "probabilistic" else "mtp"
     if preset.spec_type == "draft-eagle3":
         return "eagle3"
+    if preset.model == "fixture-replay":
+        return "replay-rejection" if preset.draft_sampling == "probabilistic" else "replay"
     if not preset.uses_draft:
         # the n-gram types: ngram-mod is "ngram", the others are named by their type
         return preset.spec_type if preset.spec_type in NGRAM_TYPE_ARGS else "ngram"

@@ -1,0 +1,103 @@
+"""llama-server's checkpoint replay path under `dist`, on real servers and the replay fixture.
+
+The replay fixture (`fixtures.replay_spec`) is the last-token fixture with a Mamba target: a
+recurrent memory that cannot drop a rejected draft suffix (b11434 rolls back only a few hybrid
+architectures, not ``mamba``), so llama-server checkpoints the target before every
+verification and, on a partial acceptance, restores the checkpoint, re-decodes what was
+accepted and, on the next iteration, re-verifies it (greedy drafts: sample-and-match with the
+sampler restored from its clone) or re-accepts it (``--spec-draft-sampling probabilistic``:
+``server_accept_replay``). Its layer adds nothing, so its distribution is the last-token
+closed form and the draft is the last-token fixture's llama draft.
+
+What shows that the replay ran: with ``LLAMA_TRACE`` set llama-server logs "accepted k/n draft
+tokens (restore checkpoint)" for every restore (tools/server/server-context.cpp); with no
+trace there is no log line for it at the default verbosity.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specaudit import distribution, fixtures
+from specaudit.llama.build import LlamaBinaries
+
+SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
+RESTORE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens \(restore checkpoint\)")
+
+
+@pytest.fixture(scope="module")
+def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+    return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
+
+
+def _complete(url: str, spec: fixtures.FixtureSpec, seed: int, n_probs: int = 0) -> dict:
+    body = {
+        "prompt": spec.prompt,
+        "n_predict": 4,
+        "n_probs": n_probs,
+        "seed": seed,
+        **fixtures.REPORT_SAMPLER.request_fields(),
+    }
+    r = httpx.post(f"{url}/completion", json=body, timeout=60)
+    assert r.status_code == 200, r.text[:500]
+    return r.json()
+
+
+def test_the_mamba_target_serves_the_closed_form(
+    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet
+) -> None:
+    """The plain server on the Mamba target reports the last-token closed form at every
+    position (first and later, five seeds)."""
+    spec = replay_fixture.spec
+    worst, checked = 0.0, 0
+    with distribution.spawn_server(llama_bins, replay_fixture, path="plain") as srv:
+        for seed in range(1, 6):
+            generated = ""
+            for entry in _complete(srv.url, spec, seed, len(spec.tokens))[
+                "completion_probabilities"
+            ]:
+                expected = fixtures.raw_distribution(spec, spec.prompt + generated)
+                got = {c["token"]: math.exp(c["logprob"]) for c in entry["top_logprobs"]}
+                for letter in spec.letters:
+                    worst = max(worst, abs(got.get(letter, 0.0) - expected[letter]))
+                checked += 1
+                generated += entry["token"]
+    assert checked == 20
+    assert worst < 1e-6
+
+
+def test_greedy_replay_restores_and_returns_the_plain_servers_samples(
+    llama_bins: LlamaBinaries,
+    replay_fixture: fixtures.FixtureSet,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server drafts, restores its checkpoint on partial acceptances (the trace line), and
+    sample-and-match still emits the target's own draw at each position: every sample is the
+    plain server's for its seed."""
+    monkeypatch.setenv("LLAMA_TRACE", "1")
+    spec = replay_fixture.spec
+    seeds = range(1, 41)
+    with distribution.spawn_server(llama_bins, replay_fixture, path="plain") as srv:
+        plain = [_complete(srv.url, spec, s)["content"] for s in seeds]
+    drafted = accepted = 0
+    with distribution.spawn_server(
+        llama_bins, replay_fixture, path="replay", log_dir=tmp_path
+    ) as srv:
+        replay = []
+        for s in seeds:
+            r = _complete(srv.url, spec, s)
+            replay.append(r["content"])
+            drafted += r["timings"].get("draft_n", 0)
+            accepted += r["timings"].get("draft_n_accepted", 0)
+    restores = RESTORE.findall((tmp_path / "dist-replay.log").read_text(errors="replace"))
+    print(f"\nreplay, seeds 1..{seeds[-1]}: {drafted} drafted, {accepted} accepted, "
+          f"{len(restores)} checkpoint restores")  # fmt: skip
+    assert replay == plain
+    assert drafted > 0 and 0 < accepted < drafted
+    assert restores and all(int(k) < int(n) for k, n in restores)
