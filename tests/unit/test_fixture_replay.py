@@ -119,3 +119,11 @@ def test_the_replay_fixture_runs_plain_and_the_replay_paths_only() -> None:
         presets.fixture_role("fixture", "replay")
     with pytest.raises(ValueError, match="does not run on"):
         presets.fixture_role("fixture-replay", "greedy")
+
+
+def test_dist_builds_the_replay_fixture_for_its_kind(tmp_path: Path) -> None:
+    """`--fixture-kind replay` without `--fixture` gets the replay fixture, not the default."""
+    from specaudit.distribution.request import load_fixture
+
+    fs = load_fixture(None, tmp_path, "replay")
+    assert fs.spec == SPEC and fs.dir == tmp_path / "replay"

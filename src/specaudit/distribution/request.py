@@ -212,16 +212,15 @@ def load_fixture(
     kind: str | None = None,
 ) -> fixtures.FixtureSet:
     """The fixture at `path` (SHA-256 verified), or the built-in fixture of `kind` ("last-token",
-    the default, "context" or "mtp": `fixtures.KINDS`) built into `work_dir`. With both, the fixture
-    at `path` must be of that kind."""
+    the default, "context", "mtp" or "replay": `fixtures.KINDS`) built into `work_dir`. With
+    both, the fixture at `path` must be of that kind."""
     _check_kind(None, kind)
     if path is None:
         # Building is deterministic and atomic, so a shared cache directory is safe.
         d = work_dir or (cache_root() / "fixtures")
-        if kind == "context":
-            return fixtures.build(d / "context", kind="context")
-        if kind == "mtp":
-            return fixtures.build(d / "mtp", kind="mtp")
+        for k in fixtures.KINDS:  # (`kind` is one of them: checked above)
+            if kind == k and k != "last-token":
+                return fixtures.build(d / k, kind=k)
         return fixtures.build(d / "default")
     try:
         fs = fixtures.load(path)
