@@ -25,6 +25,11 @@ sampler chain (``post_sampling_probs``).
   (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache, one server each with
   `presets.NGRAM_TYPE_ARGS`): no placeholder, same values as the plain server; stock servers
   of each type are the control.
+- EAGLE3 (the fixture's EAGLE3 head, one slot) and greedy MTP (the mtp fixture, a glm4moe
+  drafting with its own MTP layer, against its own plain server): sample-and-match, so whole
+  replies are compared as for the greedy draft, every endpoint, streamed and not; MTP with a
+  probabilistic draft (rejection sampling) per prefix. Stock servers of each path are the
+  control.
 """
 
 from __future__ import annotations
@@ -276,6 +281,15 @@ def fixture_servers(
                 extra_args=["--spec-synth-len", "3"],
             ),
             "ngram": s.start("fx-ngram", patched_bins, fx.target, spec_type="ngram-mod"),
+            # EAGLE3: the fixture's EAGLE3 head drafts greedily (sample-and-match), patched and
+            # (the control) stock
+            **{
+                f"{v}-eagle3": s.start(
+                    f"fx-{v}-eagle3", bins, fx.target, draft=fixtures.eagle3_draft(fx),
+                    spec_type="draft-eagle3",
+                )
+                for v, bins in (("patched", patched_bins), ("stock", llama_bins))
+            },
             # the other n-gram types, patched and (the control) stock, each with its flags
             **{
                 f"{v}-{t}": s.start(
@@ -286,6 +300,33 @@ def fixture_servers(
                 for v, bins in (("patched", patched_bins), ("stock", llama_bins))
             },
         }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mtp_fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+    return fixtures.build(tmp_path_factory.mktemp("patch-eq-mtp"), kind="mtp")
+
+
+@pytest.fixture(scope="module")
+def mtp_servers(
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
+    mtp_fx: fixtures.FixtureSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, str]]:
+    """The mtp fixture (glm4moe with its own MTP layer, no draft model): plain, and each MTP
+    path (`presets.MTP_PATHS`: greedy, probabilistic) patched and (the control) stock."""
+    with contextlib.ExitStack() as stack:
+        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-mtp-logs"), "fixture-mtp")
+        servers = {"plain": s.start("mtp-plain", llama_bins, mtp_fx.target)}
+        for path in presets.MTP_PATHS:
+            preset = presets.PRESETS[presets.fixture_role("fixture-mtp", path)]
+            for v, bins in (("patched", patched_bins), ("stock", llama_bins)):
+                servers[f"{v}-{path}"] = s.start(
+                    f"mtp-{v}-{path}", bins, mtp_fx.target, spec_type=preset.spec_type,
+                    extra_args=list(preset.extra_args),
+                )  # fmt: skip
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -375,6 +416,100 @@ def test_fixture_draft_streaming(
 
 
 # -------------------------------------------------------------------------------------------
+# (a'') the other sample-and-match drafters: EAGLE3 (fixture head), MTP (the mtp fixture's layer)
+
+SAME_SAMPLE_SEEDS = range(1, 9)
+
+
+@dataclass
+class PathResult:
+    """One speculating server's replies against the plain server's, seed by seed."""
+
+    tally: Tally
+    drafted: int
+    accepted: int
+    stock_placeholders: int
+
+
+def same_sample_equality(
+    plain: str, patched: str, stock: str, prompt: str, *, endpoint: str, post: bool, stream: bool
+) -> PathResult:
+    """For a drafter verified by sample-and-match: every seed's reply from `patched` is the
+    plain server's sample with the plain server's values token for token; `stock` (the same
+    path without the patch) is asked the same, and its placeholders counted."""
+
+    def ask(base: str, seed: int) -> Reply:
+        kw: dict[str, Any] = {"seed": seed, "post": post, "stream": stream}
+        if endpoint == "native":
+            return native(base, prompt, n_predict=FIXTURE_N, **kw)
+        return chat(base, prompt, max_tokens=FIXTURE_N, **kw)
+
+    res = PathResult(Tally(), 0, 0, 0)
+    for seed in SAME_SAMPLE_SEEDS:
+        ref = ask(plain, seed)
+        got = ask(patched, seed)
+        assert len(got.toks) == FIXTURE_N
+        assert got.text == ref.text, f"seed {seed}: the draft changed the sample"
+        res.tally.add(*compare(ref, got, FIXTURE_TOL))
+        res.drafted += got.draft_n
+        res.accepted += got.draft_n_accepted
+        stock_reply = ask(stock, seed)
+        assert stock_reply.text == ref.text, f"seed {seed}: stock changed the sample"
+        # streamed, a stock placeholder token comes with no probabilities entry at all
+        res.stock_placeholders += placeholders(stock_reply) + FIXTURE_N - len(stock_reply.toks)
+    return res
+
+
+def _assert_path_result(res: PathResult, label: str) -> None:
+    print(
+        f"\n{label}: {res.tally.tokens} tokens, max diff {res.tally.max_diff:.3g}, "
+        f"draft {res.accepted}/{res.drafted}, stock placeholders {res.stock_placeholders}"
+    )
+    assert res.tally.tokens == len(SAME_SAMPLE_SEEDS) * FIXTURE_N
+    assert res.accepted > 0, f"{label}: no draft token accepted, the speculative path went untested"
+    # the control: without the patch the same requests return placeholders
+    assert res.stock_placeholders > 0, f"{label}: the stock server shows no placeholders"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
+@pytest.mark.parametrize("endpoint", ["native", "chat"])
+def test_fixture_eagle3_equals_plain(
+    fixture_servers: dict[str, str],
+    fx: fixtures.FixtureSet,
+    endpoint: str,
+    post: bool,
+    stream: bool,
+) -> None:
+    """The EAGLE3 head's drafts (sample-and-match): the plain server's sample and values."""
+    res = same_sample_equality(
+        fixture_servers["plain"], fixture_servers["patched-eagle3"],
+        fixture_servers["stock-eagle3"], fx.spec.prompt,
+        endpoint=endpoint, post=post, stream=stream,
+    )  # fmt: skip
+    _assert_path_result(res, f"eagle3 {endpoint}/{'post' if post else 'pre'}/{stream=}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
+@pytest.mark.parametrize("endpoint", ["native", "chat"])
+def test_mtp_greedy_equals_plain(
+    mtp_servers: dict[str, str],
+    mtp_fx: fixtures.FixtureSet,
+    endpoint: str,
+    post: bool,
+    stream: bool,
+) -> None:
+    """Greedy MTP drafts from the target's own MTP layer (sample-and-match): the plain
+    server's sample and values on the same glm4moe model."""
+    res = same_sample_equality(
+        mtp_servers["plain"], mtp_servers["patched-mtp"], mtp_servers["stock-mtp"],
+        mtp_fx.spec.prompt, endpoint=endpoint, post=post, stream=stream,
+    )  # fmt: skip
+    _assert_path_result(res, f"mtp {endpoint}/{'post' if post else 'pre'}/{stream=}")
+
+
+# -------------------------------------------------------------------------------------------
 # (a') fixture, tokens that are not the plain sample: per-token against the plain server
 
 
@@ -421,6 +556,34 @@ def test_fixture_rejection_sampling_per_prefix(
         f"max diff {tally.max_diff:.3g}, {accepted}/{drafted} accepted"
     )
     assert drafted > accepted > 0, "need both accepted and rejected draft tokens"
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
+def test_mtp_rejection_sampling_per_prefix(
+    mtp_servers: dict[str, str], mtp_fx: fixtures.FixtureSet, post: bool
+) -> None:
+    """A probabilistic MTP draft verified by rejection sampling: accepted draft tokens and
+    residual draws each carry the target's distribution at their prefix; the stock server's
+    replies to the same requests show placeholders."""
+    seeds = range(1, 5)
+    tally, accepted, drafted = check_per_prefix(
+        mtp_servers["plain"], mtp_servers["patched-mtp-rejection"], mtp_fx, post, seeds
+    )
+    stock_placeholders = sum(
+        placeholders(
+            native(mtp_servers["stock-mtp-rejection"], mtp_fx.spec.prompt, seed=seed,
+                   n_predict=12, post=post)
+        )
+        for seed in seeds
+    )  # fmt: skip
+    print(
+        f"\nmtp-rejection/{'post' if post else 'pre'}: {tally.tokens} tokens, "
+        f"max diff {tally.max_diff:.3g}, {accepted}/{drafted} accepted, "
+        f"stock placeholders {stock_placeholders}"
+    )
+    assert tally.tokens == len(seeds) * 12
+    assert drafted > accepted > 0, "need both accepted and rejected draft tokens"
+    assert stock_placeholders > 0, "the stock mtp-rejection server shows no placeholders"
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
