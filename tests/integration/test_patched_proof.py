@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 from specaudit import ab, check, distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import patched
+from specaudit.llama import presets
+from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -41,6 +44,72 @@ def test_check_exits_0_on_every_endpoint_of_the_patched_fixture_server(
     # and it really speculated while doing so
     assert data["speculation"]["state"] == "yes"
     assert (data["speculation"]["draft_n"] or 0) > 0
+
+
+SPECULATIVE_PATHS = [p for p in presets.PATHS if p != "plain"]
+
+
+def _fixture_kind(path: str) -> fixtures.FixtureKind:
+    """The fixture a path runs on: the mtp and replay fixtures for theirs, else the default."""
+    if path in presets.MTP_PATHS:
+        return "mtp"
+    if path in presets.REPLAY_PATHS:
+        return "replay"
+    return "last-token"
+
+
+@pytest.fixture(scope="module")
+def path_fixture(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], fixtures.FixtureSet]:
+    """The fixture of a path (`_fixture_kind`), built once per kind."""
+    built: dict[str, fixtures.FixtureSet] = {}
+
+    def get(path: str) -> fixtures.FixtureSet:
+        kind = _fixture_kind(path)
+        if kind not in built:
+            built[kind] = fixtures.build(tmp_path_factory.mktemp(f"check-{kind}"), kind=kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("path", SPECULATIVE_PATHS)
+def test_check_flags_stock_and_passes_patched_on_every_speculative_path(
+    path: str,
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
+    path_fixture: Callable[[str], fixtures.FixtureSet],
+    cli: CliFn,
+    tmp_path: Path,
+) -> None:
+    """`check` on a fresh stock and a fresh patched server of each verification path (the
+    draft model greedy and probabilistic, each n-gram type, EAGLE3, MTP greedy and
+    probabilistic, checkpoint replay greedy and probabilistic): stock returns placeholders
+    (exit 1), patched only real values on every endpoint, streamed and not (exit 0), both
+    while drafting. Fresh servers because the session's stock n-gram servers keep per-slot
+    drafter state for the audit's dist section, and the session's servers run neither the mtp
+    nor the replay fixture."""
+    fs = path_fixture(path)
+    seen: dict[str, tuple[int, int, int, int]] = {}
+    for variant, bins in (("stock", llama_bins), ("patched", patched_bins)):
+        log_dir = tmp_path / variant
+        log_dir.mkdir()
+        with distribution.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
+            code, out, err = cli("check", srv.url, "--prompt", fs.spec.prompt, "--json")
+        assert code in (0, 1), err[-2000:]
+        data = json.loads(out)
+        eps = [e for e in data["endpoints"] if e["status"] == "ok"]
+        assert len(eps) == 2 * len(check.PROBE_KINDS), data["endpoints"]
+        drafted = sum(e["draft_n"] or 0 for e in eps)
+        seen[variant] = (code, sum(e["real"] for e in eps), data["placeholders"], drafted)
+        assert data["speculation"]["state"] == "yes", (variant, data["speculation"])
+        assert drafted > 0, f"{variant} {path} never drafted: nothing was checked under speculation"
+    print(f"\ncheck on {path} (exit, real, placeholders, drafted): {seen}")
+    stock_code, _, stock_ph, _ = seen["stock"]
+    assert stock_code == 1 and stock_ph > 0, f"stock {path}: {seen['stock']}"
+    patched_code, patched_real, patched_ph, _ = seen["patched"]
+    assert patched_code == 0 and patched_ph == 0 and patched_real > 0, f"patched {path}"
 
 
 @pytest.mark.gemma
