@@ -30,12 +30,15 @@ sampler chain (``post_sampling_probs``).
   replies are compared as for the greedy draft, every endpoint, streamed and not; MTP with a
   probabilistic draft (rejection sampling) per prefix. Stock servers of each path are the
   control.
+- Checkpoint replay (the replay fixture, a Mamba target that cannot drop a rejected suffix):
+  the greedy draft's whole replies, the probabilistic draft's tokens per prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,6 +305,27 @@ def fixture_servers(
         }  # fmt: skip
 
 
+def _path_servers(
+    s: _Servers,
+    fs: fixtures.FixtureSet,
+    model: str,
+    paths: tuple[str, ...],
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
+) -> dict[str, str]:
+    """A fixture's plain server, and for each of its speculative `paths` (their presets'
+    spec type, draft and flags) a patched server and (the control) a stock one."""
+    servers = {"plain": s.start(f"{model}-plain", llama_bins, fs.target)}
+    for path in paths:
+        preset = presets.PRESETS[presets.fixture_role(model, path)]
+        for v, bins in (("patched", patched_bins), ("stock", llama_bins)):
+            servers[f"{v}-{path}"] = s.start(
+                f"{model}-{v}-{path}", bins, fs.target, spec_type=preset.spec_type,
+                draft=fs.draft if preset.uses_draft else None, extra_args=list(preset.extra_args),
+            )  # fmt: skip
+    return servers
+
+
 @pytest.fixture(scope="module")
 def mtp_fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
     return fixtures.build(tmp_path_factory.mktemp("patch-eq-mtp"), kind="mtp")
@@ -315,18 +339,50 @@ def mtp_servers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, str]]:
     """The mtp fixture (glm4moe with its own MTP layer, no draft model): plain, and each MTP
-    path (`presets.MTP_PATHS`: greedy, probabilistic) patched and (the control) stock."""
+    path (`presets.MTP_PATHS`: greedy, probabilistic) patched and stock."""
     with contextlib.ExitStack() as stack:
         s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-mtp-logs"), "fixture-mtp")
-        servers = {"plain": s.start("mtp-plain", llama_bins, mtp_fx.target)}
-        for path in presets.MTP_PATHS:
-            preset = presets.PRESETS[presets.fixture_role("fixture-mtp", path)]
-            for v, bins in (("patched", patched_bins), ("stock", llama_bins)):
-                servers[f"{v}-{path}"] = s.start(
-                    f"mtp-{v}-{path}", bins, mtp_fx.target, spec_type=preset.spec_type,
-                    extra_args=list(preset.extra_args),
-                )  # fmt: skip
+        yield _path_servers(s, mtp_fx, "fixture-mtp", presets.MTP_PATHS, llama_bins, patched_bins)
+
+
+@pytest.fixture(scope="module")
+def replay_fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+    return fixtures.build(tmp_path_factory.mktemp("patch-eq-replay"), kind="replay")
+
+
+@pytest.fixture(scope="module")
+def replay_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("patch-eq-replay-logs")
+
+
+@pytest.fixture(scope="module")
+def replay_servers(
+    llama_bins: LlamaBinaries,
+    patched_bins: LlamaBinaries,
+    replay_fx: fixtures.FixtureSet,
+    replay_logs: Path,
+) -> Iterator[dict[str, str]]:
+    """The replay fixture (a Mamba target: a partial acceptance restores a checkpoint and
+    replays the accepted tokens): plain, and each replay path (`presets.REPLAY_PATHS`: the
+    draft model greedy, probabilistic) patched and stock. With LLAMA_TRACE set the servers
+    log every checkpoint restore (`replay_restores`)."""
+    with contextlib.ExitStack() as stack:
+        s = _Servers(stack, replay_logs, "fixture-replay")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LLAMA_TRACE", "1")
+            servers = _path_servers(
+                s, replay_fx, "fixture-replay", presets.REPLAY_PATHS, llama_bins, patched_bins
+            )
         yield servers
+
+
+RESTORE = re.compile(r"accepted +\d+/ *\d+ draft tokens \(restore checkpoint\)")
+
+
+def replay_restores(replay_logs: Path, path: str) -> int:
+    """Checkpoint restores the patched server of a replay path has logged so far."""
+    log = replay_logs / f"fixture-replay-patched-{path}.log"
+    return len(RESTORE.findall(log.read_text(errors="replace")))
 
 
 @pytest.fixture(scope="module")
@@ -509,6 +565,31 @@ def test_mtp_greedy_equals_plain(
     _assert_path_result(res, f"mtp {endpoint}/{'post' if post else 'pre'}/{stream=}")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
+@pytest.mark.parametrize("endpoint", ["native", "chat"])
+def test_replay_greedy_equals_plain(
+    replay_servers: dict[str, str],
+    replay_fx: fixtures.FixtureSet,
+    replay_logs: Path,
+    endpoint: str,
+    post: bool,
+    stream: bool,
+) -> None:
+    """Checkpoint replay with a greedy draft: after a partial acceptance the accepted tokens
+    are re-decoded and re-verified; the plain server's sample and values on the same Mamba
+    model."""
+    before = replay_restores(replay_logs, "replay")
+    res = same_sample_equality(
+        replay_servers["plain"], replay_servers["patched-replay"], replay_servers["stock-replay"],
+        replay_fx.spec.prompt, endpoint=endpoint, post=post, stream=stream,
+    )  # fmt: skip
+    restores = replay_restores(replay_logs, "replay") - before
+    _assert_path_result(res, f"replay {endpoint}/{'post' if post else 'pre'}/{stream=}")
+    print(f"  {restores} checkpoint restores (each followed by a replay)")
+    assert restores > 0, "no checkpoint was restored: the replay path went untested"
+
+
 # -------------------------------------------------------------------------------------------
 # (a') fixture, tokens that are not the plain sample: per-token against the plain server
 
@@ -559,31 +640,39 @@ def test_fixture_rejection_sampling_per_prefix(
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
-def test_mtp_rejection_sampling_per_prefix(
-    mtp_servers: dict[str, str], mtp_fx: fixtures.FixtureSet, post: bool
+@pytest.mark.parametrize("path", ["mtp-rejection", "replay-rejection"])
+def test_rejection_sampling_per_prefix_mtp_and_replay(
+    request: pytest.FixtureRequest, path: str, post: bool
 ) -> None:
-    """A probabilistic MTP draft verified by rejection sampling: accepted draft tokens and
-    residual draws each carry the target's distribution at their prefix; the stock server's
-    replies to the same requests show placeholders."""
+    """Probabilistic drafts verified by rejection sampling, from the mtp fixture's MTP layer
+    and, on the replay fixture, replayed after a checkpoint restore (`server_accept_replay`):
+    accepted draft tokens and residual draws each carry the target's distribution at their
+    prefix; the stock server's replies to the same requests show placeholders."""
+    which = "mtp" if path in presets.MTP_PATHS else "replay"
+    servers: dict[str, str] = request.getfixturevalue(f"{which}_servers")
+    fs: fixtures.FixtureSet = request.getfixturevalue(f"{which}_fx")
     seeds = range(1, 5)
     tally, accepted, drafted = check_per_prefix(
-        mtp_servers["plain"], mtp_servers["patched-mtp-rejection"], mtp_fx, post, seeds
+        servers["plain"], servers[f"patched-{path}"], fs, post, seeds
     )
     stock_placeholders = sum(
         placeholders(
-            native(mtp_servers["stock-mtp-rejection"], mtp_fx.spec.prompt, seed=seed,
-                   n_predict=12, post=post)
+            native(servers[f"stock-{path}"], fs.spec.prompt, seed=seed, n_predict=12, post=post)
         )
         for seed in seeds
-    )  # fmt: skip
+    )
     print(
-        f"\nmtp-rejection/{'post' if post else 'pre'}: {tally.tokens} tokens, "
+        f"\n{path}/{'post' if post else 'pre'}: {tally.tokens} tokens, "
         f"max diff {tally.max_diff:.3g}, {accepted}/{drafted} accepted, "
         f"stock placeholders {stock_placeholders}"
     )
     assert tally.tokens == len(seeds) * 12
     assert drafted > accepted > 0, "need both accepted and rejected draft tokens"
-    assert stock_placeholders > 0, "the stock mtp-rejection server shows no placeholders"
+    assert stock_placeholders > 0, f"the stock {path} server shows no placeholders"
+    if which == "replay":
+        restores = replay_restores(request.getfixturevalue("replay_logs"), path)
+        print(f"  {restores} checkpoint restores so far (each followed by a replay)")
+        assert restores > 0, "no checkpoint was restored: the replay path went untested"
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
