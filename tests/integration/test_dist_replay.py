@@ -25,6 +25,7 @@ import pytest
 
 from specaudit import distribution, fixtures
 from specaudit.llama.build import LlamaBinaries
+from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
 RESTORE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens \(restore checkpoint\)")
@@ -101,3 +102,57 @@ def test_greedy_replay_restores_and_returns_the_plain_servers_samples(
     assert replay == plain
     assert drafted > 0 and 0 < accepted < drafted
     assert restores and all(int(k) < int(n) for k, n in restores)
+
+
+def test_dist_on_the_replay_paths_at_four_tokens(
+    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    """The report's workload (4 tokens, 1000 seeds): every path PRESERVED, with drafts on both
+    replay paths. At 4 tokens no fresh verification follows a replay (a replay emits up to the
+    third token and the fourth is sampled with nothing left to draft), so what the next test
+    finds cannot show here."""
+    req = distribution.make_request(
+        ("server",), fixture=replay_fixture, binaries=llama_bins, work_dir=tmp_path,
+        seeds=len(SEEDS),
+    )  # fmt: skip
+    res = distribution.run(req)
+    print(f"\nreplay fixture, seeds 1..{SEEDS[-1]}:\n{distribution.paths_markdown(res)}")
+    by_path = {e.path: e for e in res.engines}
+    assert list(by_path) == ["plain", "replay", "replay-rejection"]
+    for e in res.engines:
+        assert e.verdict is Verdict.PRESERVED, (e.path, e.reason)
+        assert e.n_samples == len(SEEDS)
+    for p in ("replay", "replay-rejection"):
+        e = by_path[p]
+        assert e.drafted is not None and e.accepted is not None, p
+        assert e.drafted > len(SEEDS) and 0 < e.accepted < e.drafted, p
+    assert not any(p == "replay" for p, _ in res.not_covered)
+
+
+# Where the probabilistic replay shows: rounds verified after a replay, from position 4 on (8
+# tokens), at a deviation (prefix-averaged TV ~0.02 at position 4, by a simulation of the
+# mechanism below) that needs about 15000 samples for the fixed test's power.
+REWIND_SEEDS = 15000
+REWIND_TOKENS = 8
+
+
+def test_probabilistic_replay_reuses_the_rejection_samplers_draws(
+    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    """A b11434 finding. The checkpoint restore copies the sampler saved before verifying back
+    whole (`common_sampler_copy`), the rejection sampler's own stream (`gsmpl->rng`)
+    included, and `server_accept_replay` draws nothing from it: the next verification reuses
+    the uniforms that decided the replayed tokens, so its accept/reject decisions depend on
+    the history they made. Positions 1-3 (before any post-replay verification) keep the
+    closed form; later positions do not."""
+    req = distribution.make_request(
+        ("server",), fixture=replay_fixture, binaries=llama_bins, work_dir=tmp_path,
+        seeds=REWIND_SEEDS, tokens=REWIND_TOKENS, paths=["replay-rejection"],
+    )  # fmt: skip
+    (e,) = distribution.run(req).engines
+    rejecting = [t.name for t in e.tests if t.p_holm < req.alpha]
+    print(f"\nreplay-rejection, {REWIND_TOKENS} tokens, seeds 1..{REWIND_SEEDS}: "
+          f"{e.verdict.value}, {e.drafted} drafted, {e.accepted} accepted; {e.reason}")  # fmt: skip
+    assert e.verdict is Verdict.BROKEN, e.reason
+    assert "position 4" in rejecting
+    assert not {"position 1", "position 2", "position 3", "joint 1-3"} & set(rejecting)

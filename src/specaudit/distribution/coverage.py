@@ -64,7 +64,8 @@ PATH_HELP: dict[str, str] = {
     "target's checkpoint and re-verifies what was accepted (the replay fixture)",
     "replay-rejection": "draft model, --spec-draft-sampling probabilistic, on a Mamba target: "
     "rejection sampling, a partial acceptance restored and re-accepted (T > 0; the replay "
-    "fixture)",
+    "fixture; b11434 reuses the rejection draws after a replay: BROKEN from position 4 at "
+    "--tokens 8, 15000 seeds)",
 }
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
@@ -73,11 +74,6 @@ NOT_COVERED: tuple[tuple[str, str], ...] = (
         "dflash/dspark",
         "these drafters need draft GGUFs of their own (arch dflash: a block size, a mask "
         "token; dspark adds a Markov head); none exist for the fixtures",
-    ),
-    (
-        "replay",
-        "the checkpoint replay path (spec_is_replay) runs only on recurrent/hybrid models whose "
-        "cache cannot drop a rejected suffix; the fixtures are plain transformers",
     ),
     (
         "synthetic",
@@ -104,7 +100,8 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "--spec-draft-sampling probabilistic drafts by rejection sampling (T > 0); on the "
         "replay fixture's Mamba target (its memory cannot drop a rejected suffix) both through "
         "the checkpoint replay path: restore, re-decode, re-verify (greedy) or re-accept "
-        "(probabilistic)",
+        "(probabilistic; b11434 then reuses the rejection sampler's draws in the next "
+        "verification, BROKEN at --tokens 8 and 15000 seeds)",
     ),
     (
         "draft-mtp",
