@@ -20,7 +20,7 @@ from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.outcome import Outcome
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
+from specaudit.rescore.records import FavouriteFn, NextToken, RescoreError, TokenDraw
 from specaudit.rescore.reference import (
     PROBE_TOLERANCE,
     ModelIdentity,
@@ -307,6 +307,18 @@ def generated_ids(res: RescoreResult, d: TokenDraw) -> list[int]:
     return [int(t) for t in key.split(",")] if key else []
 
 
+async def _ask(ref: Reference, prefix: Sequence[int]) -> NextToken:
+    """The reference's answer, asked again once after a transport error: an in-process
+    engine (transformers, OpenVINO) holds the event loop while it generates, long enough for
+    the reference to close an idle keep-alive connection that is then reused (a ReadError).
+    The question is a pure read, so asking again is safe; a reference that is down fails
+    twice."""
+    try:
+        return await ref.next_token(prefix)
+    except ClientError:
+        return await ref.next_token(prefix)
+
+
 async def _sample_and_rescore(
     req: RescoreRequest,
     sampler: Sampler,
@@ -340,7 +352,7 @@ async def _sample_and_rescore(
         try:
             for i, tok in enumerate(s.ids):
                 prefix = [*prompts[p], *s.ids[:i]]
-                nt = await ref.next_token(prefix)
+                nt = await _ask(ref, prefix)
                 fav = req.favourite(prefix) if req.favourite else None
                 key = f"{p}:" + ",".join(map(str, s.ids[:i]))
                 out.append(TokenDraw(seed, p, i, key, tok, nt, draft_favourite=fav))
