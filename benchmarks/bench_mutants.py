@@ -33,8 +33,17 @@ post-sampling, streamed and not; `fidelity.DEFAULT_KINDS`) classified against th
 (`specaudit.fidelity`), with the tolerance measured from the plain server's spread; beside it
 what `specaudit check`'s classification says of the same tokens.
 
+The MTP mutants (``mtp-*``: bugs in ``--spec-type draft-mtp``'s driver) get rows of their own,
+on the mtp fixture (`fixtures.mtp_spec`, a glm4moe with its own MTP layer; the only model the
+MTP paths run on) on both MTP paths at T = 1, mtp-rejection (probabilistic MTP drafts,
+rejection sampling) and mtp (greedy MTP drafts, sample-and-match), next to stock and
+spec-logprobs as controls; the columns above, plus on the mtp path how many samples' drafted /
+accepted counts differ from what a correct server drafts and accepts for that very text
+(`fixtures.mtp_greedy_counts`), and what each row finds: BROKEN after how many samples, or
+equivalent (every sample stock's) / kept, and why.
+
     .venv/bin/python benchmarks/bench_mutants.py [--seeds 2000] [--only NAME ...]
-        [--fidelity-seeds 20] [--fidelity-only]
+        [--fidelity-seeds 20] [--fidelity-only] [--mtp-only]
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ class Row:
     sequential: str = "-"
     same: str = "-"
     drafted: str = "-"
+    counts_off: str = "-"  # mtp path: samples whose counts differ from the closed form's
 
     def cells(self) -> list[str]:
         return [
@@ -111,7 +121,10 @@ def fixtures_available(work: Path) -> list[tuple[str, fixtures.FixtureSet]]:
 def server(
     bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str, log_dir: Path
 ) -> Iterator[LlamaServer]:
-    if path == "ngram-mod":
+    if path in presets.MTP_PATHS:  # the mtp fixture: its own MTP layer drafts
+        with runner.spawn_server(bins, fs, path=path, log_dir=log_dir) as s:
+            yield s
+    elif path == "ngram-mod":
         srv = presets.server(
             bins, fs.target, kind="fixture", spec_type="ngram-mod",
             ctx_per_slot=fs.spec.config.context_length, extra_args=NGRAM_ARGS,
@@ -168,11 +181,12 @@ def measure_row(
         key = (fx, path, t)
         dn = sum(s.drafted or 0 for s in samples)
         da = sum(s.accepted or 0 for s in samples)
+        off = str(mtp_counts_off(fs, samples)) if path == "mtp" else "-"
         base = stock.get(key)
         if build != "stock" and base is not None and base[0] == texts:
             # the very samples of stock: the (deterministic) analysis would repeat stock's row
             r0 = base[1]
-            rows.append(replace(r0, build=build, same="yes", drafted=f"{dn}/{da}"))
+            rows.append(replace(r0, build=build, same="yes", drafted=f"{dn}/{da}", counts_off=off))
         else:
             fixed = distribution.analyze(fs.spec, wl, samples, alpha=ALPHA)
             ev, eseq = distribution.replay_sequential(
@@ -191,11 +205,83 @@ def measure_row(
                     sequential=f"{sv.value} @{sseq.samples_used}",
                     same="-" if build == "stock" else "no",
                     drafted=f"{dn}/{da}",
+                    counts_off=off,
                 )  # fmt: skip
             )
             if build == "stock":
                 stock[key] = (texts, rows[-1])
         log(f"{build} {fx} {path} T={t:g}: {rows[-1].cells()[3:]}")
+    return rows
+
+
+def mtp_counts_off(fs: fixtures.FixtureSet, samples: list[distribution.Sample]) -> int:
+    """Samples of the greedy mtp path whose drafted/accepted counts differ from what a correct
+    server drafts and accepts for that very text (`fixtures.mtp_greedy_counts`)."""
+    spec = fs.spec
+    return sum(
+        (s.drafted, s.accepted) != fixtures.mtp_greedy_counts(spec, spec.prompt, s.text)
+        for s in samples
+    )
+
+
+MTP = "mtp-"  # the MTP mutants' prefix: measured on the mtp fixture's paths
+MTP_BENCH_PATHS = ("mtp-rejection", "mtp")
+MTP_HEADERS = [
+    "build", "path", "verdict (fixed, all N)", "samples to BROKEN (sequential rule, α=1e-3)",
+    "fixed test first rejects at", "--sequential answers", "= stock", "drafted/accepted",
+    "counts ≠ closed form", "finding",
+]  # fmt: skip
+
+
+def mtp_finding(r: Row) -> str:
+    """What a row of the MTP table says: BROKEN after how many samples, or why it is not."""
+    if r.verdict.startswith("LOUD"):
+        return "LOUD: the server fails"
+    if r.verdict == Verdict.BROKEN.value:
+        return f"BROKEN after {r.eproc} samples (sequential), fixed test at {r.fixed}"
+    counts = (
+        f"; counts differ from the closed form on {r.counts_off} samples"
+        if r.counts_off not in ("-", "0")
+        else ("; counts are the closed form's" if r.counts_off == "0" else "")
+    )
+    if r.same == "yes":
+        return f"equivalent: every sample is stock's for its seed{counts}"
+    if r.same == "no":
+        return f"{r.verdict}: samples differ from stock's, distribution kept{counts}"
+    return f"{r.verdict} (control){counts}"
+
+
+def mtp_table(rows: list[Row]) -> str:
+    return md_table(
+        MTP_HEADERS,
+        [
+            [
+                r.build,
+                f"{r.path} T={r.temperature:g}",
+                r.verdict,
+                r.eproc,
+                r.fixed,
+                r.sequential,
+                r.same,
+                r.drafted,
+                r.counts_off,
+                mtp_finding(r),
+            ]  # fmt: skip
+            for r in rows
+        ],
+    )
+
+
+def mtp_rows(bins: dict[str, LlamaBinaries], names: list[str], seeds: int, work: Path) -> list[Row]:
+    """Stock, spec-logprobs and each MTP mutant on the mtp fixture's MTP paths, T = 1."""
+    fs = fixtures.build(work / "mtp-fixture", kind="mtp")
+    rows: list[Row] = []
+    stock: dict[tuple[str, str, float], tuple[list[str], Row]] = {}
+    for name in names:
+        for path in MTP_BENCH_PATHS:
+            d = work / "logs" / name / "mtp" / path
+            d.mkdir(parents=True, exist_ok=True)
+            rows += measure_row(name, bins[name], "mtp", fs, path, (1.0,), seeds, d, stock)
     return rows
 
 
@@ -350,19 +436,33 @@ def main() -> int:
     ap.add_argument(
         "--fidelity-only", action="store_true", help="only the logprob mutants' fidelity rows"
     )
+    ap.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="only the MTP mutants' rows (mtp fixture, MTP paths) and their controls",
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     mutants = llama.available_mutants()
     if args.only:
         mutants = [m for m in mutants if m.split("/", 1)[1] in args.only]
-    lp_mutants = [m.split("/", 1)[1] for m in mutants if m.split("/", 1)[1].startswith(LP)]
-    dist_mutants = [] if args.fidelity_only else [
-        m for m in mutants if not m.split("/", 1)[1].startswith(LP)
+    lp_mutants = [] if args.mtp_only else [
+        m.split("/", 1)[1] for m in mutants if m.split("/", 1)[1].startswith(LP)
+    ]  # fmt: skip
+    mtp_mutants = [] if args.fidelity_only else [
+        m.split("/", 1)[1] for m in mutants if m.split("/", 1)[1].startswith(MTP)
+    ]  # fmt: skip
+    dist_mutants = [] if args.fidelity_only or args.mtp_only else [
+        m for m in mutants if not m.split("/", 1)[1].startswith((LP, MTP))
     ]  # fmt: skip
     builds: list[tuple[str, tuple[str, ...]]] = [("stock", ())]
-    builds += [(p, (p,)) for p in llama.available_patches()]
+    if args.mtp_only:
+        builds += [(presets.PATCH, (presets.PATCH,))]
+    else:
+        builds += [(p, (p,)) for p in llama.available_patches()]
     builds += [(m.split("/", 1)[1], (m,)) for m in dist_mutants]
     builds += [(m, (f"mutants/{m}",)) for m in lp_mutants]
+    builds += [(m, (f"mutants/{m}",)) for m in mtp_mutants]
 
     build_times: dict[str, str] = {}
     bins: dict[str, LlamaBinaries] = {}
@@ -390,15 +490,31 @@ def main() -> int:
             f"tolerance {fidelity.SPREAD_FACTOR:g} x floor + {fidelity.FLOAT32_ULPS} float32 ulps"
         )
         print()
-    if args.fidelity_only:
+    if mtp_mutants:
+        t_mtp = time.perf_counter()
+        mrows = mtp_rows(bins, ["stock", presets.PATCH, *mtp_mutants], args.seeds, work)
+        print(mtp_table(mrows))
+        print()
+        false = [
+            r for r in mrows if r.build in ("stock", presets.PATCH) and r.verdict != "PRESERVED"
+        ]
+        print(
+            f"mtp fixture, seeds 1..{args.seeds} per row, 4 tokens, top-k 3, T=1; controls "
+            f"(stock, {presets.PATCH}) not PRESERVED: "
+            + (", ".join(f"{r.build} {r.path}: {r.verdict}" for r in false) or "none")
+            + f"; {time.perf_counter() - t_mtp:.0f} s"
+        )
+        print()
+    if args.fidelity_only or args.mtp_only:
+        print("builds: " + "; ".join(f"{k} {v}" for k, v in build_times.items()))
         print(f"total {time.perf_counter() - t_start:.0f} s")
         return 0
     fxs = fixtures_available(work)
     rows: list[Row] = []
     stock: dict[tuple[str, str, float], tuple[list[str], Row]] = {}
     for name, patches in builds:
-        if name.startswith(LP):
-            continue  # a fidelity row above
+        if name.startswith((LP, MTP)):
+            continue  # a fidelity row, or an MTP row, above
         control = name == "stock" or name in llama.available_patches()
         shared = control or any(
             SHARED in f for p in resolve_all(patches) for f in sources.patch_files(p)
