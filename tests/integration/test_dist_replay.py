@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from specaudit import distribution, fixtures
+from specaudit import distribution, fixtures, llama
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.patches import resolve
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
+
+
+def _progress(pct: float, msg: str) -> None:
+    print(f"[specaudit] building the replay fix: {pct:3.0f}% {msg[-60:]}", file=sys.stderr)
+
+
 RESTORE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens \(restore checkpoint\)")
 
 
@@ -108,9 +116,9 @@ def test_dist_on_the_replay_paths_at_four_tokens(
     llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, tmp_path: Path
 ) -> None:
     """The report's workload (4 tokens, 1000 seeds): every path PRESERVED, with drafts on both
-    replay paths. At 4 tokens no fresh verification follows a replay (a replay emits up to the
-    third token and the fourth is sampled with nothing left to draft), so what the next test
-    finds cannot show here."""
+    replay paths. At 4 tokens no verification follows a replay (the one round of drafts ends
+    at the third or fourth token when it replays; a token left over is sampled without a
+    draft), so what the next test finds cannot show here."""
     req = distribution.make_request(
         ("server",), fixture=replay_fixture, binaries=llama_bins, work_dir=tmp_path,
         seeds=len(SEEDS),
@@ -134,6 +142,23 @@ def test_dist_on_the_replay_paths_at_four_tokens(
 # mechanism below) that needs about 15000 samples for the fixed test's power.
 REWIND_SEEDS = 15000
 REWIND_TOKENS = 8
+# The one-line fix: `common_sampler_copy` (used only by that restore) leaves the stream alone.
+KEEP_STREAM = Path(__file__).resolve().parents[1] / "data" / "patches" / "replay-rng.patch"
+
+
+def _rewind_run(
+    bins: LlamaBinaries, fs: fixtures.FixtureSet, work_dir: Path
+) -> tuple[distribution.EngineResult, list[str]]:
+    """replay-rejection at `REWIND_TOKENS` tokens on seeds 1..`REWIND_SEEDS`: the result and
+    the tests that reject."""
+    req = distribution.make_request(
+        ("server",), fixture=fs, binaries=bins, work_dir=work_dir, seeds=REWIND_SEEDS,
+        tokens=REWIND_TOKENS, paths=["replay-rejection"],
+    )  # fmt: skip
+    (e,) = distribution.run(req).engines
+    print(f"\n{e.engine}, {REWIND_TOKENS} tokens, seeds 1..{REWIND_SEEDS}: {e.verdict.value}, "
+          f"{e.drafted} drafted, {e.accepted} accepted; {e.reason}")  # fmt: skip
+    return e, [t.name for t in e.tests if t.p_holm < req.alpha]
 
 
 def test_probabilistic_replay_reuses_the_rejection_samplers_draws(
@@ -145,14 +170,18 @@ def test_probabilistic_replay_reuses_the_rejection_samplers_draws(
     the uniforms that decided the replayed tokens, so its accept/reject decisions depend on
     the history they made. Positions 1-3 (before any post-replay verification) keep the
     closed form; later positions do not."""
-    req = distribution.make_request(
-        ("server",), fixture=replay_fixture, binaries=llama_bins, work_dir=tmp_path,
-        seeds=REWIND_SEEDS, tokens=REWIND_TOKENS, paths=["replay-rejection"],
-    )  # fmt: skip
-    (e,) = distribution.run(req).engines
-    rejecting = [t.name for t in e.tests if t.p_holm < req.alpha]
-    print(f"\nreplay-rejection, {REWIND_TOKENS} tokens, seeds 1..{REWIND_SEEDS}: "
-          f"{e.verdict.value}, {e.drafted} drafted, {e.accepted} accepted; {e.reason}")  # fmt: skip
+    e, rejecting = _rewind_run(llama_bins, replay_fixture, tmp_path)
     assert e.verdict is Verdict.BROKEN, e.reason
     assert "position 4" in rejecting
     assert not {"position 1", "position 2", "position 3", "joint 1-3"} & set(rejecting)
+
+
+def test_keeping_the_rejection_stream_across_the_restore_preserves_the_distribution(
+    replay_fixture: fixtures.FixtureSet, tmp_path: Path
+) -> None:
+    """The same run with the one-line fix (`KEEP_STREAM`): PRESERVED, as the llama target's
+    rejection path (no replay) is on this workload."""
+    bins = llama.ensure(patches=(resolve(str(KEEP_STREAM)),), progress=_progress)
+    e, rejecting = _rewind_run(bins, replay_fixture, tmp_path)
+    assert e.verdict is Verdict.PRESERVED, e.reason
+    assert not rejecting
