@@ -8,12 +8,17 @@ docs/mutants.md) serves ``--spec-draft-sampling probabilistic`` twice: on the de
 where the anytime-valid e-process first reached 1/alpha (valid at every look, so reading it
 off the trajectory is honest); the verdict is the fixed-N test over all tokens.
 
+Controls run every token; a mutant stops at the first look where the e-process crossed
+(looks after 100, 200, 400, 800 and 1000 tokens on Gemma; stopping there is what an anytime-valid test
+allows, and it is what makes the table affordable on a small machine). `--full` runs every
+row to the end.
+
 On Gemma the draft samples with top-k 10 at the target's temperature while the target keeps
 top-k 40 (common/speculative.cpp), so q differs from p and rejection sampling really runs; with
 the target at top-k 10 too, q = p and every rejection-sampler mutant would be equivalent.
 
     .venv/bin/python benchmarks/bench_rescore_mutants.py [--fixture-seeds 500]
-        [--gemma-tokens 1000] [--only NAME ...] [--json FILE]
+        [--gemma-tokens 1000] [--only NAME ...] [--json FILE] [--full]
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama import LlamaServer
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
+from specaudit.rescore import analysis, runner
 from specaudit.rescore import fixture as fixture_ref
-from specaudit.rescore import runner
 
 ALPHA = 0.01
 GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
@@ -63,6 +68,51 @@ def gemma_server(bins: LlamaBinaries, gemma: Path) -> Iterator[LlamaServer]:
         yield srv
 
 
+def looks(total_seeds: int, first: int) -> list[int]:
+    """Seeds per look: `first`, then as many again as were drawn (the total doubles), up to
+    `total_seeds`."""
+    out, drawn = [], 0
+    while drawn < total_seeds:
+        step = min(max(first, drawn), total_seeds - drawn)
+        out.append(step)
+        drawn += step
+    return out
+
+
+def rescore_looks(
+    base: dict[str, Any], total_seeds: int, first: int, stop_early: bool
+) -> runner.RescoreResult:
+    """Re-score `total_seeds` seeds in looks (fresh seed ranges), the draws pooled in seed
+    order; with `stop_early`, stop after the first look whose e-process crossed 1/alpha."""
+    pooled: runner.RescoreResult | None = None
+    start = 1
+    for n in looks(total_seeds, first):
+        res = runner.run(runner.make_request(**base, seeds=n, seed_start=start))
+        start += n
+        if pooled is None:
+            pooled = res
+        else:
+            pooled.samples += res.samples
+            pooled.draws += res.draws
+            pooled.rescored += res.rescored
+            pooled.boundary += res.boundary
+            pooled.seeds += res.seeds
+            pooled.total_seconds += res.total_seconds
+            pooled.drafted = (pooled.drafted or 0) + (res.drafted or 0)
+            pooled.accepted = (pooled.accepted or 0) + (res.accepted or 0)
+            pooled.error = pooled.error or res.error
+        if pooled.error or not pooled.draws:
+            break
+        seq = analysis.analyse(pooled.draws, alpha=ALPHA, sequential=True)
+        if stop_early and seq.crossed_at is not None:
+            pooled.stats = seq
+            return pooled
+    assert pooled is not None
+    if pooled.draws and not pooled.error:
+        pooled.stats = analysis.analyse(pooled.draws, alpha=ALPHA)
+    return pooled
+
+
 def cell(res: runner.RescoreResult, per_sample: int) -> dict[str, Any]:
     s = res.stats
     if s is None:
@@ -70,6 +120,7 @@ def cell(res: runner.RescoreResult, per_sample: int) -> dict[str, Any]:
     crossed = s.crossed_at
     return {
         "verdict": s.verdict.value,
+        "seeds_drawn": res.seeds,
         "tokens": s.tokens,
         "tokens_to_broken": crossed,
         "samples_to_broken": math.ceil(crossed / per_sample) if crossed else None,
@@ -87,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemma-tokens", type=int, default=1000)
     ap.add_argument("--only", nargs="*", default=None, help="builds to run (default: all)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--full", action="store_true", help="no early stop for mutants")
+    ap.add_argument(
+        "--rows", type=Path, default=None, help="a JSON of rows already measured (kept)"
+    )
     args = ap.parse_args(argv)
     builds = [*CONTROLS, *llama.available_mutants()]
     if args.only:
@@ -96,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = fs.spec
     gemma = models.gemma_270m().path
     stock = llama.ensure()
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = json.loads(args.rows.read_text()) if args.rows else []
+    builds = [b for b in builds if b not in {r["build"] for r in rows}]
     with (
         distribution.spawn_server(stock, fs, draft=False) as fref,
         LlamaServer(stock, gemma, parallel=2, ctx_size=4096, name="gemma-reference") as gref,
@@ -106,23 +162,25 @@ def main(argv: list[str] | None = None) -> int:
             bins = binaries(build)
             row: dict[str, Any] = {"build": build}
             t0 = time.monotonic()
+            stop_early = build not in CONTROLS and not args.full
             with distribution.spawn_server(
                 bins, fs, draft=True, draft_sampling="probabilistic"
             ) as srv:
-                req = runner.make_request(
-                    srv.url, reference_url=fref.url, prompt_ids=[spec.tokenize(spec.prompt)],
-                    seeds=args.fixture_seeds, tokens=4, sampler=REPORT_SAMPLER, alpha=ALPHA,
+                base = dict(
+                    url=srv.url, reference_url=fref.url, prompt_ids=[spec.tokenize(spec.prompt)],
+                    tokens=4, sampler=REPORT_SAMPLER, alpha=ALPHA,
                     favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
                 )  # fmt: skip
-                row["fixture"] = cell(runner.run(req), 4)
+                row["fixture"] = cell(rescore_looks(base, args.fixture_seeds, 25, stop_early), 4)
             with gemma_server(bins, gemma) as srv:
                 seeds = math.ceil(args.gemma_tokens / GEMMA_TOKENS_PER_SAMPLE)
-                req = runner.make_request(
-                    srv.url, reference_url=gref.url, prompts=[GEMMA_PROMPT], seeds=seeds,
+                base = dict(
+                    url=srv.url, reference_url=gref.url, prompts=[GEMMA_PROMPT],
                     tokens=GEMMA_TOKENS_PER_SAMPLE, sampler=GEMMA_SAMPLER, alpha=ALPHA,
                     concurrency=2, timeout=600.0,
                 )  # fmt: skip
-                row["gemma"] = cell(runner.run(req), GEMMA_TOKENS_PER_SAMPLE)
+                res = rescore_looks(base, seeds, 25, stop_early)
+                row["gemma"] = cell(res, GEMMA_TOKENS_PER_SAMPLE)
             log(f"{build}: {row['fixture']['verdict']} / {row['gemma']['verdict']} "
                 f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
             rows.append(row)
