@@ -138,6 +138,20 @@ def noise_floor(groups: Iterable[Sequence[NextToken]]) -> NoiseFloor:
     )
 
 
+def widest(a: NoiseFloor, b: NoiseFloor) -> NoiseFloor:
+    """Two measurements of one reference's floor as one: the larger spread of each mode."""
+    p = a if a.prob >= b.prob else b
+    lp = a if a.logprob >= b.logprob else b
+    return NoiseFloor(
+        p.prob,
+        lp.logprob,
+        max(a.answers, b.answers),
+        a.prefixes + b.prefixes,
+        p.prob_token,
+        lp.logprob_token,
+    )
+
+
 def float32_resolution(x: float) -> float:
     """`FLOAT32_ULPS` units in the last place of float32 `x`: the finest a float32 engine's
     number can be compared at."""
@@ -614,6 +628,29 @@ def probe_server(
     return FidelityRun(url, tuple(probes))
 
 
+def reclassify(
+    run: FidelityRun,
+    prompt_ids: Sequence[int],
+    reference: NextTokenSource,
+    tol: Tolerance,
+    vocabulary: Mapping[str, int] | None = None,
+) -> FidelityRun:
+    """The same responses classified again with another tolerance (the reference is asked
+    again only for prefixes it does not cache)."""
+    probes = tuple(
+        Probe(
+            p.kind,
+            p.seed,
+            p.records,
+            classify(p.records, prompt_ids, reference, tol, vocabulary),
+            p.draft_n,
+            p.draft_accepted,
+        )  # fmt: skip
+        for p in run.probes
+    )
+    return FidelityRun(run.url, probes)
+
+
 # ---------------------------------------------------------------------------------------------
 # references
 
@@ -744,8 +781,10 @@ __all__ = [
     "next_token_from_records",
     "noise_floor",
     "probe_server",
+    "reclassify",
     "request_body",
     "server_noise_floor",
     "spread",
     "tolerance",
+    "widest",
 ]

@@ -29,6 +29,10 @@ from specaudit.fidelity import FidelityRun
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
 
+# a mutant test may build its mutant first (an incremental rebuild, minutes on 2 busy cores,
+# after waiting for the build lock)
+pytestmark = pytest.mark.timeout(2400)
+
 PROMPT = "bcdbc"
 SAMPLER = fixtures.SamplerSettings(top_k=5, top_p=1.0, min_p=0.0, temperature=0.7)
 N_PROBS = 3
