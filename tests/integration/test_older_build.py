@@ -3,7 +3,9 @@
 Through `specaudit.matrix`: the stock speculating server sends placeholder logprobs, the
 ported spec-logprobs patch makes every token real, /props says "none" while /slots shows the
 slots speculating, and `dist` finds the server's sample-and-match verification (the only one
-this build has, used at temperature > 0 too) PRESERVED on stock and patched alike.
+this build has, used at temperature > 0 too) PRESERVED on stock and patched alike, with a draft
+model and with the mtp fixture's own MTP layer (b10705 has --spec-type draft-mtp, not yet
+mtp-rejection).
 ./run test builds both binaries before pytest starts (cold: minutes; see docs/builds.md).
 """
 
@@ -49,7 +51,7 @@ def test_the_port_applies_and_names_its_build() -> None:
 def test_no_rejection_sampler_before_27694(result: matrix.MatrixResult) -> None:
     (b,) = result.builds
     assert b.build == OLD and not b.has_rejection
-    assert set(b.stock.dist) == {"greedy"}
+    assert set(b.stock.dist) == {"greedy", "mtp"}  # mtp: the MTP drafter, sample-and-match
     assert matrix.has_rejection(_ensure(llama.DEFAULT_BUILD, ()))  # the control: b11434 has it
 
 
@@ -76,6 +78,19 @@ def test_dist_sample_and_match_preserved(result: matrix.MatrixResult) -> None:
         assert e.verdict is Verdict.PRESERVED, (v.variant, e.reason)
         assert e.n_samples == SEEDS
         assert e.drafted and e.accepted and 0 < e.accepted < e.drafted
+
+
+def test_mtp_drafts_and_keeps_the_distribution_without_a_rejection_path(
+    result: matrix.MatrixResult,
+) -> None:
+    (b,) = result.builds
+    assert b.mtp_paths == ["mtp"] and result.mtp_fixture is not None
+    assert b.patched is not None
+    for v in (b.stock, b.patched):
+        e = v.dist["mtp"]
+        assert e.verdict is Verdict.PRESERVED, (v.variant, e.reason)
+        assert e.n_samples == SEEDS
+        assert e.drafted and e.accepted and 0 < e.accepted < e.drafted, v.variant
 
 
 def test_cli_matrix_json_and_markdown(result: matrix.MatrixResult, cli: CliFn) -> None:
