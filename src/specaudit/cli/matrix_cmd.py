@@ -50,10 +50,11 @@ MATRIX_EXIT_HELP = (
 @json_option
 def command(builds: str, seeds: int, work_dir: Path | None, as_json: bool) -> None:
     """Run placeholders (check), /props vs /slots and dist of the speculating server, stock
-    and patched, on several llama.cpp builds, and print one table. dist runs each
-    verification path the build has: greedy and rejection draft-simple on the fixture, and
-    the MTP paths (mtp, mtp-rejection: --spec-type draft-mtp) on the mtp fixture, each with
-    its drafted/accepted counts."""
+    and patched, on several llama.cpp builds, and print one table.
+
+    dist runs each verification path the build has: greedy and rejection draft-simple on the
+    fixture, and the MTP paths (mtp, mtp-rejection: --spec-type draft-mtp) on the mtp fixture,
+    each with its drafted/accepted counts."""
     from specaudit import llama, matrix
     from specaudit.llama import presets
     from specaudit.llama.patches import resolve_all
