@@ -38,7 +38,7 @@ LOGPROBS_IDS = (
 )
 SPEC_LOGPROBS_FILE = PATCH_TESTS["spec-logprobs"].path
 EXAMPLE_FILE = PATCH_TESTS["speculative-fix"].path
-SPECULATIVE_KEYWORD = "synth or slot_ctx"
+SPECULATIVE_KEYWORD = "synth or slot_ctx or ctx_shift"
 EXAMPLE_SAMPLED = f"{EXAMPLE_FILE}::test_speculative_example_drafts_are_sampled"
 
 
@@ -58,10 +58,9 @@ def runs(
     tests_of = resolve_all(tuple(PATCH_TESTS))
     spec_logprobs = (PATCH_TESTS["spec-logprobs"],)
     example = (PATCH_TESTS["speculative-fix"],)
-    # test_speculative.py's cases that stock passes with Gemma as its own draft, but
-    # test_with_ctx_shift (256 tokens: minutes on 2 cores; `specaudit llama upstream-tests`
-    # runs it). The others compare generated text with the stories models' (a regex, equal
-    # tokens across draft settings) and fail on stock too (docs/upstream-server-tests.md)
+    # test_speculative.py's cases that stock passes with Gemma as its own draft. The others
+    # compare generated text with the stories models' (a regex, equal tokens across draft
+    # settings) and fail on stock too (docs/upstream-server-tests.md)
     speculative = (upstream.Selection(SPECULATIVE[0].path, SPECULATIVE_KEYWORD),)
     plan = (
         ("stock-plain", llama_bins, LOGPROBS, False),
