@@ -17,10 +17,13 @@ T = 0.7 and 0.013 at T = 1 (the same prompt, the reference's own sample), so the
 chosen for a deviation well above it, not just above zero:
 
 - lp-no-temperature: temperature 0.7 (at T = 1 it is exactly the fix);
-- lp-pre-as-post, lp-topk-renorm, lp-neighbour-position: top-k 40 at T = 1 with 2 candidates:
-  the 40 survivors keep mass the 2-3 kept candidates do not (the mutant renormalises over
-  those), the raw softmax keeps the mass beyond the 40 (the fix truncates it), and most drafts
-  are accepted (the neighbour's values are the next position's);
+- lp-topk-renorm, lp-neighbour-position: top-k 40 at T = 1 with 2 candidates: the 40
+  survivors keep mass the 2-3 kept candidates do not (the mutant renormalises over those), and
+  most drafts are accepted (the neighbour's values are the next position's);
+- lp-pre-as-post: top-k 5 at T = 1.5: the raw softmax keeps the mass beyond the 5 survivors
+  (the fix truncates it) and is taken at T = 1. At top-k 40, T = 1 that mass is small on this
+  model's confident continuation (2 of 48 tokens beyond the bound, by 10 %; at top-k 5, T = 1
+  still 2, by 5 %); at T = 1.5 it is 20 of 48, 3.7 times the bound;
 - lp-draft-probs: the same sampler on the rejection-sampling path (`--spec-draft-sampling
   probabilistic`), the only one with a draft distribution q. Gemma drafts for itself, so q = p
   unless the two samplers differ: llama.cpp's draft sampler is top-k 10 at the target's
@@ -89,13 +92,14 @@ WORKLOADS = {
     for w in (
         Workload("T 0.7", SamplerSettings(40, 1.0, 0.0, 0.7), 5),
         Workload("T 1", SamplerSettings(40, 1.0, 0.0, 1.0), 2),
+        Workload("top-k 5, T 1.5", SamplerSettings(5, 1.0, 0.0, 1.5), 2),
         Workload("T 1, rejection", SamplerSettings(40, 1.0, 0.0, 1.0), 2, "probabilistic"),
     )
 }
 # mutant -> (workload, the modes whose values it breaks)
 MUTANTS: dict[str, tuple[str, frozenset[str]]] = {
     "lp-neighbour-position": ("T 1", frozenset({"pre", "post"})),
-    "lp-pre-as-post": ("T 1", frozenset({"post"})),
+    "lp-pre-as-post": ("top-k 5, T 1.5", frozenset({"post"})),
     "lp-no-temperature": ("T 0.7", frozenset({"post"})),
     "lp-topk-renorm": ("T 1", frozenset({"post"})),
     "lp-draft-probs": ("T 1, rejection", frozenset({"post"})),
