@@ -8,7 +8,10 @@ per module, started by rescore's own `start_reference`), instead of against the 
   outside the reference's top-3, exactly as many as the closed form forbids
   (docs/openvino.md);
 - llama.cpp's llama-speculative: stock BROKEN (docs/llama-speculative-fix.md), and with the
-  `speculative-fix` patch PRESERVED on the positions the fix keeps (1-3).
+  `speculative-fix` patch PRESERVED;
+- llama-server itself (`--dist-engine server`) on every verification path of every fixture
+  kind (the llama fixture's, the MTP fixture's, the replay fixture's: each kind against a plain
+  reference on its own GGUF, started by rescore): PRESERVED, and every speculative path drafted.
 
 Small seed counts (a 2-core machine): each run is still large enough for `check_enough`. Each
 test prints its verdict line (tokens tested, KS p, favourite p, impossible tokens).
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 
 from specaudit import audit, fixtures
+from specaudit.distribution import coverage
 from specaudit.fixtures import REPORT_SAMPLER
 from specaudit.llama import presets
 from specaudit.rescore import engines
@@ -130,8 +134,8 @@ def fixed_bins(audit_ctx: audit.AuditContext) -> Any:
 def test_llama_speculative_stock_is_broken_and_fixed_is_preserved(
     fixture_set: fixtures.FixtureSet, reference: str, llama_bins: Any, fixed_bins: Any
 ) -> None:
-    """3 tokens: the positions the fix keeps (position 4 of the last-token fixture is still
-    open: docs/llama-speculative-fix.md)."""
+    """3 tokens a sample: the stock example is far off within them, and 600 fixed tokens keep
+    the run short."""
     (stock,) = _rescore(
         fixture_set, reference, "speculative-example", 100, 3, binaries=llama_bins, jobs=2
     )
@@ -145,3 +149,27 @@ def test_llama_speculative_stock_is_broken_and_fixed_is_preserved(
     assert fixed.drafted and fixed.accepted is not None and 0 < fixed.accepted < fixed.drafted
     assert fixed.stats.impossible == 0
     assert fixed.stats.verdict is Verdict.PRESERVED, fixed.stats.reason
+
+
+@pytest.mark.parametrize("kind", ["last-token", "mtp", "replay"])
+def test_every_llama_server_path_is_preserved_when_rescored(kind: str, llama_bins: Any) -> None:
+    """Every path of the fixture kind (`coverage.kind_paths`), one llama-server each, against a
+    plain stock llama-server on that kind's own GGUF that rescore starts itself (no reference
+    given): a new path is re-scored as soon as `dist` runs it."""
+    paths = list(coverage.kind_paths(kind))
+    req = engines.make_request(
+        ["server"], fixture_kind=kind, seeds=100, tokens=4, sampler=REPORT_SAMPLER,
+        concurrency=2, timeout=300.0, binaries=llama_bins, paths=paths,
+    )  # fmt: skip
+    res = engines.run(req)
+    assert [r.path for r in res.results] == paths
+    for r in res.results:
+        print(f"[{r.path}] {verdict_line(r)}")
+        assert r.error is None and r.stats is not None, r.path
+        assert r.rescored == r.sampled_tokens == 400, r.path
+        assert r.probe_tv is not None and r.probe_tv < 1e-3, r.path
+        assert r.stats.impossible == 0, (r.path, r.notes[:3])
+        assert r.stats.verdict is Verdict.PRESERVED, (r.path, r.stats.reason)
+        if r.path != "plain":
+            assert r.drafted, r.path  # the path speculated
+    assert res.exit_code == 0
