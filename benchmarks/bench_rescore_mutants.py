@@ -122,6 +122,9 @@ def cell(res: runner.RescoreResult, per_sample: int) -> dict[str, Any]:
     return {
         "verdict": s.verdict.value,
         "seeds_drawn": res.seeds,
+        "reason": s.reason,  # which test decided (a BROKEN on few differing samples is suspect)
+        "impossible": s.impossible,
+        "boundary": res.boundary,
         "tokens": s.tokens,
         "tokens_to_broken": crossed,
         "samples_to_broken": math.ceil(crossed / per_sample) if crossed else None,
