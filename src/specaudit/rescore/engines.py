@@ -38,7 +38,7 @@ from specaudit.distribution.truth import encode_text
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
 from specaudit.outcome import Outcome
-from specaudit.rescore import analysis, runner
+from specaudit.rescore import runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.fixture import draft_favourite, text_of
 from specaudit.rescore.records import RescoreError
@@ -171,8 +171,6 @@ def make_request(
     """Check every input before anything starts (one-line RescoreError, exit 2): the `dist`
     request's own checks (the engine exists, its options, its extra installed, its --url),
     then what re-scoring needs."""
-    from specaudit import validate
-
     names = tuple(dict.fromkeys(engines))
     if not names:
         raise RescoreError("no --dist-engine given")
@@ -183,24 +181,12 @@ def make_request(
             )
         if registry.get(name).url and not url:
             raise RescoreError(f"--dist-engine {name} needs --url")
-    if reference_url is not None and reference_model is not None:
-        raise RescoreError("give at most one of --reference-url and --reference-model")
-    if reference_url is not None:
-        reference_url = validate.url(reference_url, "--reference-url", RescoreError)
-    ref_model = Path(reference_model) if reference_model is not None else None
-    if ref_model is not None and not ref_model.is_file():
-        raise RescoreError(f"--reference-model {ref_model} is not a file")
-    if not 0 < alpha < 0.5:
-        raise RescoreError("--alpha must be between 0 and 0.5")
-    if not 1 <= concurrency <= 256:
-        raise RescoreError("--concurrency must be between 1 and 256")
-    if sampler.temperature <= 0:
-        raise RescoreError(
-            "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
-        )
-    if not 1 <= seeds <= 10_000_000:
-        raise RescoreError("--seeds must be between 1 and 10000000")
-    analysis.check_enough(seeds * tokens, alpha)
+    reference_url, ref_model = runner.check_reference(
+        reference_url, reference_model, required=False
+    )
+    runner.check_run(
+        seeds=seeds, tokens=tokens, alpha=alpha, concurrency=concurrency, sampler=sampler
+    )
     own: dict[str, Any] = dict(options)  # the engines' own options (`EngineOption.param`)
     try:
         dist = make_dist_request(

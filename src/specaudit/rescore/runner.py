@@ -38,6 +38,8 @@ from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSam
 ENGINES = ("server", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
 MAX_TOKENS = 512
+MAX_SEEDS = 10_000_000
+MAX_CONCURRENCY = 256
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 
 ProgressFn = Callable[[int, int], None]
@@ -99,37 +101,27 @@ def make_request(
 ) -> RescoreRequest:
     """Check every input before anything is started (one-line RescoreError, exit 2)."""
     url = validate.url(url, "--url", RescoreError)
-    if reference_url is not None:
-        reference_url = validate.url(reference_url, "--reference-url", RescoreError)
     if engine not in ENGINES:
         raise RescoreError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
-    if self_check:
-        if reference_url is not None or reference_model is not None or engine != "server":
-            raise RescoreError("--self takes no reference and needs --engine server")
-    elif (reference_url is None) == (reference_model is None):
-        raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
-    ref_model = Path(reference_model) if reference_model is not None else None
-    if ref_model is not None and not ref_model.is_file():
-        raise RescoreError(f"--reference-model {ref_model} is not a file")
+    if self_check and (
+        reference_url is not None or reference_model is not None or engine != "server"
+    ):
+        raise RescoreError("--self takes no reference and needs --engine server")
+    reference_url, ref_model = check_reference(
+        reference_url, reference_model, required=not self_check
+    )
     if prompt_ids and engine != "server":
         raise RescoreError("prompts as token ids need --engine server")
     ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
     texts = tuple(prompts) or (() if ids else DEFAULT_PROMPTS)
     if any(not p for p in texts) or any(not p for p in ids):
         raise RescoreError("every prompt must be non-empty")
-    if not 1 <= seeds <= 10_000_000 or seed_start < 0 or seed_start + seeds > validate.MAX_SEED:
-        raise RescoreError("--seeds must be at least 1 and seeds must fit 32 bits")
     if not 1 <= tokens <= MAX_TOKENS:
         raise RescoreError(f"--tokens must be between 1 and {MAX_TOKENS}")
-    if not 0 < alpha < 0.5:
-        raise RescoreError("--alpha must be between 0 and 0.5")
-    if not 1 <= concurrency <= 256:
-        raise RescoreError("--concurrency must be between 1 and 256")
-    if sampler.temperature <= 0:
-        raise RescoreError(
-            "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
-        )
-    analysis.check_enough(seeds * tokens * (len(ids) or len(texts)), alpha)
+    check_run(
+        seeds=seeds, seed_start=seed_start, tokens=tokens, prompts=len(ids) or len(texts),
+        alpha=alpha, concurrency=concurrency, sampler=sampler,
+    )  # fmt: skip
     return RescoreRequest(
         url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
@@ -137,6 +129,55 @@ def make_request(
         concurrency=concurrency, timeout=timeout, label=label, model=model, favourite=favourite,
         self_check=self_check,
     )  # fmt: skip
+
+
+def check_reference(
+    reference_url: str | None, reference_model: Path | str | None, *, required: bool
+) -> tuple[str | None, Path | None]:
+    """The reference of a re-scored run, checked (one-line RescoreError): a parseable
+    `reference_url` or an existing `reference_model` file, never both. `required`: exactly
+    one (`rescore --url`); otherwise at most one (`--dist-engine` serves the fixture's GGUF
+    itself when neither is given, `--self` has none)."""
+    if required and (reference_url is None) == (reference_model is None):
+        raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
+    if reference_url is not None and reference_model is not None:
+        raise RescoreError("give at most one of --reference-url and --reference-model")
+    if reference_url is not None:
+        reference_url = validate.url(reference_url, "--reference-url", RescoreError)
+    ref_model = Path(reference_model) if reference_model is not None else None
+    if ref_model is not None and not ref_model.is_file():
+        raise RescoreError(f"--reference-model {ref_model} is not a file")
+    return reference_url, ref_model
+
+
+def check_run(
+    *,
+    seeds: int,
+    tokens: int,
+    alpha: float,
+    concurrency: int,
+    sampler: SamplerSettings,
+    prompts: int = 1,
+    seed_start: int | None = None,
+) -> None:
+    """What every re-scored run needs, checked before anything starts (one-line RescoreError):
+    the seed count (and, given `seed_start`, that the seeds fit llama.cpp's 32-bit seed; a
+    `dist` request checks its own range), alpha, concurrency, a temperature above 0, and
+    enough sampled tokens (`seeds * tokens * prompts`) to decide."""
+    if seed_start is None:
+        if not 1 <= seeds <= MAX_SEEDS:
+            raise RescoreError(f"--seeds must be between 1 and {MAX_SEEDS}")
+    elif not 1 <= seeds <= MAX_SEEDS or seed_start < 0 or seed_start + seeds > validate.MAX_SEED:
+        raise RescoreError("--seeds must be at least 1 and seeds must fit 32 bits")
+    if not 0 < alpha < 0.5:
+        raise RescoreError("--alpha must be between 0 and 0.5")
+    if not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise RescoreError(f"--concurrency must be between 1 and {MAX_CONCURRENCY}")
+    if sampler.temperature <= 0:
+        raise RescoreError(
+            "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
+        )
+    analysis.check_enough(seeds * tokens * prompts, alpha)
 
 
 @dataclass
@@ -455,6 +496,8 @@ __all__ = [
     "ENGINES",
     "RescoreRequest",
     "RescoreResult",
+    "check_reference",
+    "check_run",
     "generated_ids",
     "make_request",
     "run",
