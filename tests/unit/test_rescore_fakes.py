@@ -165,3 +165,75 @@ def test_bad_requests_are_one_line_errors() -> None:
         )
     with pytest.raises(RescoreError, match="too few to decide"):
         runner.make_request("http://127.0.0.1:9", reference_url="http://127.0.0.1:8", seeds=2)
+
+
+def _bodies_sent(make: Any, answer: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """The JSON bodies a sampler built by `make(url)` posts to `path` for one sample."""
+    seen: list[dict[str, Any]] = []
+
+    async def handler(req: web.BaseRequest) -> web.StreamResponse:
+        if req.path == path:
+            seen.append(json.loads(await req.read()))
+        return web.json_response(answer)
+
+    async def go() -> None:
+        with fakes.serve(handler) as s:
+            smp = make(s.url)
+            try:
+                await smp.sample(0, [ord("x"), ord("a")], 5)
+            finally:
+                await smp.aclose()
+
+    asyncio.run(go())
+    return seen
+
+
+def test_the_samplers_send_the_sampler_chain_with_end_tokens_masked() -> None:
+    """The bodies the engine under test is asked with: the same sampler chain and settings as
+    the reference's, `ignore_eos` on (an early stop would drop the end token's draw)."""
+    chain = {
+        "samplers": ["top_k", "top_p", "min_p", "temperature"],
+        "top_k": 3, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0, "ignore_eos": True,
+    }  # fmt: skip
+    ids = {"tokens": [ord("c"), ord("d"), ord("e")]}
+    assert _bodies_sent(lambda u: ServerSampler(u, SAMPLER, 3), ids, "/completion") == [
+        {
+            "n_predict": 3,
+            **chain,
+            "return_tokens": True,
+            "cache_prompt": False,
+            "prompt": [ord("x"), ord("a")],
+            "seed": 5,
+        }
+    ]
+    reporting = _bodies_sent(
+        lambda u: ServerSampler(u, SAMPLER, 3, report_probs=4), ids, "/completion"
+    )
+    assert reporting == [
+        {
+            "n_predict": 3,
+            **chain,
+            "return_tokens": True,
+            "cache_prompt": False,
+            "n_probs": 4,
+            "post_sampling_probs": True,
+            "prompt": [ord("x"), ord("a")],
+            "seed": 5,
+        }
+    ]
+    text = {"choices": [{"text": "cde"}]}
+    assert _bodies_sent(
+        lambda u: OpenAISampler(u, SAMPLER, 3, _Tokenizer(), model="m"), text, "/v1/completions"
+    ) == [
+        {
+            "model": "m",
+            "max_tokens": 3,
+            **chain,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repeat_penalty": 1.0,
+            "repetition_penalty": 1.0,
+            "prompt": "xa",
+            "seed": 5,
+        }
+    ]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specaudit.client import AsyncClient, ClientError
-from specaudit.distribution.engines import SAMPLER_CHAIN
 from specaudit.fixtures import SamplerSettings
 from specaudit.rescore.records import NextToken, RescoreError
+from specaudit.rescore.reference import COVERAGE, sampling_fields
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,7 @@ class ServerSampler:
         self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency)
         self._body: dict[str, Any] = {
             "n_predict": tokens,
-            "samplers": list(SAMPLER_CHAIN),
-            **sampler.request_fields(),
-            "ignore_eos": True,
+            **sampling_fields(sampler),
             "return_tokens": True,
             "cache_prompt": False,
         }
@@ -110,8 +108,6 @@ class ServerSampler:
 def _reported(body: Any, n: int) -> tuple[NextToken | None, ...]:
     """Each token's reported post-sampling distribution (None: none, or not covering the
     sampler's support: what a placeholder is)."""
-    from specaudit.rescore.reference import COVERAGE
-
     entries = body.get("completion_probabilities") if isinstance(body, dict) else None
     entries = entries if isinstance(entries, list) else []
     out: list[NextToken | None] = []
@@ -160,13 +156,11 @@ class OpenAISampler:
         self._body: dict[str, Any] = {
             "model": model,
             "max_tokens": tokens,
-            "samplers": list(SAMPLER_CHAIN),  # llama-server
-            **sampler.request_fields(),
+            **sampling_fields(sampler),  # "samplers": llama-server's chain
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "repeat_penalty": 1.0,  # llama-server, llama-cpp-python
             "repetition_penalty": 1.0,  # vLLM, SGLang
-            "ignore_eos": True,
         }
         self._texts: dict[int, str] = {}
 
