@@ -5,13 +5,16 @@ the console script (`main` is `run` plus `sys.exit`): the exit code a user's she
 usage and `SpecauditError`s as one ``error:`` line on stderr. stdout and stderr are captured
 apart with click's `CliRunner` isolation (not a terminal, 80 columns). A test that needs the
 installed entry point as a process (signals, start-up imports) uses `subprocess` instead.
+`toy`: the toy `dist` engine registered for one test (the registry's and rescore's tests).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -53,3 +56,17 @@ def run_cli(
 def cli() -> CliFn:
     """``cli(*args, input=None, env=None) -> CliRun(exit_code, stdout, stderr)``."""
     return run_cli
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The toy `dist` engine registered (tests/toy_engine.py: importing it registers it), and
+    taken away afterwards."""
+    from specaudit.distribution import registry
+
+    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
+    sys.modules.pop("toy_engine", None)
+    importlib.import_module("toy_engine")
+    yield
+    registry.unregister("toy")
+    sys.modules.pop("toy_engine", None)

@@ -4,10 +4,8 @@ entries say what they need, and the request checks that in one place."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,6 @@ SMALL = (
     "--tokens", "3", "--positions", "2", "--joint", "2", "--tolerance", "0.2",
     "--sequential", "--seeds", "3000", "--json",
 )  # fmt: skip
-
-
-@pytest.fixture
-def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """The toy engine registered (tests/toy_engine.py), and taken away afterwards."""
-    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
-    sys.modules.pop("toy_engine", None)
-    importlib.import_module("toy_engine")
-    yield
-    registry.unregister("toy")
-    sys.modules.pop("toy_engine", None)
 
 
 def test_a_registered_engine_runs_through_the_cli(toy: None, cli: CliFn) -> None:

@@ -6,12 +6,9 @@ non-letter outcomes become impossible tokens; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +16,6 @@ from aiohttp import web
 
 import fakes
 from specaudit import fixtures
-from specaudit.distribution import registry
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES, DistError
 from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER
@@ -33,17 +29,6 @@ CliFn = Callable[..., tuple[int, str, str]]
 @pytest.fixture(scope="module")
 def fixture_set(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
     return fixtures.build(tmp_path_factory.mktemp("fixture"))
-
-
-@pytest.fixture
-def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """The toy engine registered (tests/toy_engine.py), and taken away afterwards."""
-    monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
-    sys.modules.pop("toy_engine", None)
-    importlib.import_module("toy_engine")
-    yield
-    registry.unregister("toy")
-    sys.modules.pop("toy_engine", None)
 
 
 def _reference_handler(spec: fixtures.FixtureSpec) -> Any:
