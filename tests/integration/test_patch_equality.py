@@ -472,7 +472,8 @@ def test_fixture_draft_streaming(
 
 
 # -------------------------------------------------------------------------------------------
-# (a'') the other sample-and-match drafters: EAGLE3 (fixture head), MTP (the mtp fixture's layer)
+# (a'') the other sample-and-match drafters: EAGLE3 (fixture head), MTP (the mtp fixture's
+# layer), checkpoint replay (the replay fixture)
 
 SAME_SAMPLE_SEEDS = range(1, 9)
 
@@ -527,67 +528,41 @@ def _assert_path_result(res: PathResult, label: str) -> None:
     assert res.stock_placeholders > 0, f"{label}: the stock server shows no placeholders"
 
 
+# each sample-and-match drafter: (its servers' fixture, its fixture set's fixture)
+SAME_SAMPLE_PATHS = {
+    "eagle3": ("fixture_servers", "fx"),
+    "mtp": ("mtp_servers", "mtp_fx"),
+    "replay": ("replay_servers", "replay_fx"),
+}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
 @pytest.mark.parametrize("endpoint", ["native", "chat"])
-def test_fixture_eagle3_equals_plain(
-    fixture_servers: dict[str, str],
-    fx: fixtures.FixtureSet,
-    endpoint: str,
-    post: bool,
-    stream: bool,
+@pytest.mark.parametrize("path", list(SAME_SAMPLE_PATHS))
+def test_sample_and_match_drafts_equal_plain(
+    request: pytest.FixtureRequest, path: str, endpoint: str, post: bool, stream: bool
 ) -> None:
-    """The EAGLE3 head's drafts (sample-and-match): the plain server's sample and values."""
+    """Drafts verified by sample-and-match give the plain server's sample and values, token
+    for token: the fixture's EAGLE3 head (`eagle3`); greedy MTP drafts from the target's own
+    MTP layer on the mtp fixture's glm4moe (`mtp`); checkpoint replay with a greedy draft on
+    the replay fixture's Mamba model (`replay`: after a partial acceptance the accepted tokens
+    are re-decoded and re-verified, and the logged checkpoint restores prove it ran). Each
+    against the plain server of its own model."""
+    servers_fixture, fs_fixture = SAME_SAMPLE_PATHS[path]
+    servers: dict[str, str] = request.getfixturevalue(servers_fixture)
+    fs: fixtures.FixtureSet = request.getfixturevalue(fs_fixture)
+    logs: Path | None = request.getfixturevalue("replay_logs") if path == "replay" else None
+    before = replay_restores(logs, path) if logs is not None else 0
     res = same_sample_equality(
-        fixture_servers["plain"], fixture_servers["patched-eagle3"],
-        fixture_servers["stock-eagle3"], fx.spec.prompt,
+        servers["plain"], servers[f"patched-{path}"], servers[f"stock-{path}"], fs.spec.prompt,
         endpoint=endpoint, post=post, stream=stream,
     )  # fmt: skip
-    _assert_path_result(res, f"eagle3 {endpoint}/{'post' if post else 'pre'}/{stream=}")
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
-@pytest.mark.parametrize("endpoint", ["native", "chat"])
-def test_mtp_greedy_equals_plain(
-    mtp_servers: dict[str, str],
-    mtp_fx: fixtures.FixtureSet,
-    endpoint: str,
-    post: bool,
-    stream: bool,
-) -> None:
-    """Greedy MTP drafts from the target's own MTP layer (sample-and-match): the plain
-    server's sample and values on the same glm4moe model."""
-    res = same_sample_equality(
-        mtp_servers["plain"], mtp_servers["patched-mtp"], mtp_servers["stock-mtp"],
-        mtp_fx.spec.prompt, endpoint=endpoint, post=post, stream=stream,
-    )  # fmt: skip
-    _assert_path_result(res, f"mtp {endpoint}/{'post' if post else 'pre'}/{stream=}")
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
-@pytest.mark.parametrize("endpoint", ["native", "chat"])
-def test_replay_greedy_equals_plain(
-    replay_servers: dict[str, str],
-    replay_fx: fixtures.FixtureSet,
-    replay_logs: Path,
-    endpoint: str,
-    post: bool,
-    stream: bool,
-) -> None:
-    """Checkpoint replay with a greedy draft: after a partial acceptance the accepted tokens
-    are re-decoded and re-verified; the plain server's sample and values on the same Mamba
-    model."""
-    before = replay_restores(replay_logs, "replay")
-    res = same_sample_equality(
-        replay_servers["plain"], replay_servers["patched-replay"], replay_servers["stock-replay"],
-        replay_fx.spec.prompt, endpoint=endpoint, post=post, stream=stream,
-    )  # fmt: skip
-    restores = replay_restores(replay_logs, "replay") - before
-    _assert_path_result(res, f"replay {endpoint}/{'post' if post else 'pre'}/{stream=}")
-    print(f"  {restores} checkpoint restores (each followed by a replay)")
-    assert restores > 0, "no checkpoint was restored: the replay path went untested"
+    _assert_path_result(res, f"{path} {endpoint}/{'post' if post else 'pre'}/{stream=}")
+    if logs is not None:
+        restores = replay_restores(logs, path) - before
+        print(f"  {restores} checkpoint restores (each followed by a replay)")
+        assert restores > 0, "no checkpoint was restored: the replay path went untested"
 
 
 # -------------------------------------------------------------------------------------------
