@@ -72,6 +72,14 @@ def fixture_set(audit_ctx: audit.AuditContext) -> fixtures.FixtureSet:
 
 
 @pytest.fixture(scope="session")
+def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+    """The replay fixture (`fixtures.replay_spec`: the last-token fixture with a Mamba target,
+    whose rejected drafts llama-server undoes by a checkpoint restore and replay), built once
+    for the session."""
+    return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
+
+
+@pytest.fixture(scope="session")
 def gemma_path(audit_ctx: audit.AuditContext) -> Path:
     return audit_ctx.gemma
 

@@ -39,11 +39,6 @@ def _progress(pct: float, msg: str) -> None:
 RESTORE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens \(restore checkpoint\)")
 
 
-@pytest.fixture(scope="module")
-def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
-
-
 def _complete(url: str, spec: fixtures.FixtureSpec, seed: int, n_probs: int = 0) -> dict:
     body = {
         "prompt": spec.prompt,

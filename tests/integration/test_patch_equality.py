@@ -346,11 +346,6 @@ def mtp_servers(
 
 
 @pytest.fixture(scope="module")
-def replay_fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    return fixtures.build(tmp_path_factory.mktemp("patch-eq-replay"), kind="replay")
-
-
-@pytest.fixture(scope="module")
 def replay_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("patch-eq-replay-logs")
 
@@ -359,7 +354,7 @@ def replay_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def replay_servers(
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
-    replay_fx: fixtures.FixtureSet,
+    replay_fixture: fixtures.FixtureSet,
     replay_logs: Path,
 ) -> Iterator[dict[str, str]]:
     """The replay fixture (a Mamba target: a partial acceptance restores a checkpoint and
@@ -371,7 +366,7 @@ def replay_servers(
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("LLAMA_TRACE", "1")
             servers = _path_servers(
-                s, replay_fx, "fixture-replay", presets.REPLAY_PATHS, llama_bins, patched_bins
+                s, replay_fixture, "fixture-replay", presets.REPLAY_PATHS, llama_bins, patched_bins
             )
         yield servers
 
@@ -528,11 +523,12 @@ def _assert_path_result(res: PathResult, label: str) -> None:
     assert res.stock_placeholders > 0, f"{label}: the stock server shows no placeholders"
 
 
-# each sample-and-match drafter: (its servers' fixture, its fixture set's fixture)
+# each sample-and-match drafter: (its servers' fixture, its fixture set's fixture); the
+# rejection paths `mtp-rejection` and `replay-rejection` run on the same servers' fixtures
 SAME_SAMPLE_PATHS = {
     "eagle3": ("fixture_servers", "fx"),
     "mtp": ("mtp_servers", "mtp_fx"),
-    "replay": ("replay_servers", "replay_fx"),
+    "replay": ("replay_servers", "replay_fixture"),
 }
 
 
@@ -624,8 +620,9 @@ def test_rejection_sampling_per_prefix_mtp_and_replay(
     accepted draft tokens and residual draws each carry the target's distribution at their
     prefix; the stock server's replies to the same requests show placeholders."""
     which = "mtp" if path in presets.MTP_PATHS else "replay"
-    servers: dict[str, str] = request.getfixturevalue(f"{which}_servers")
-    fs: fixtures.FixtureSet = request.getfixturevalue(f"{which}_fx")
+    servers_fixture, fs_fixture = SAME_SAMPLE_PATHS[which]
+    servers: dict[str, str] = request.getfixturevalue(servers_fixture)
+    fs: fixtures.FixtureSet = request.getfixturevalue(fs_fixture)
     seeds = range(1, 5)
     tally, accepted, drafted = check_per_prefix(
         servers["plain"], servers[f"patched-{path}"], fs, post, seeds
