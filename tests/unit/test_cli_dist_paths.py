@@ -93,7 +93,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
     assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
-    assert "--fixture-kind [last-token|context|mtp|replay]" in out
+    assert "--fixture-kind [last-token|context|mtp|mtp-context|replay]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
         assert f"  {p} " in out
@@ -106,7 +106,7 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     code, out, _ = cli("fixtures", "build", "--help")
     assert (
         code == 0
-        and "--kind [last-token|context|mtp|replay]" in out
+        and "--kind [last-token|context|mtp|mtp-context|replay]" in out
         and "default: last-token" in out
     )
 
@@ -119,7 +119,7 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     [
         (("--path", "dflash"), "'dflash' is not one of"),
         (("--fixture-kind", "mtp", "--path", "eagle3"), "--path eagle3 needs a fixture of"),
-        (("--path", "mtp"), "--path mtp needs the mtp fixture (--fixture-kind mtp)"),
+        (("--path", "mtp"), "--path mtp needs an mtp fixture (--fixture-kind mtp or mtp-context)"),
         (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
         (("--path", "Greedy"), "is not one of"),
         (("--fixture-kind", "other"), "'other' is not one of"),
@@ -293,7 +293,7 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
         ({"paths": "greedy"}, "not one string"),
         ({"paths": ()}, "no --path given"),
         ({"paths": ("greedy", "dflash")}, "unknown --path 'dflash'"),
-        ({"paths": ("greedy", "mtp")}, "--path mtp needs the mtp fixture"),
+        ({"paths": ("greedy", "mtp")}, "--path mtp needs an mtp fixture"),
         ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
     ],
 )

@@ -133,13 +133,13 @@ def test_a_float32_forward_pass_of_the_gguf_agrees_with_the_reference(
 
     for prev, last in itertools.product(range(len(LETTERS)), repeat=2):
         h = norm(t["token_embd.weight"][prev], t["output_norm.weight"])
-        assert np.allclose(h, mtp_target_hidden(SPEC, prev), atol=1e-6)
+        assert np.allclose(h, mtp_target_hidden(SPEC, [prev]), atol=1e-6)
         e = norm(t["token_embd.weight"][last], t["blk.1.nextn.enorm.weight"])
         hn = norm(h, t["blk.1.nextn.hnorm.weight"])
         r = t["blk.1.nextn.eh_proj.weight"] @ np.concatenate([e, hn])
         out = norm(r, t["blk.1.nextn.shared_head_norm.weight"])
         z = t["blk.1.nextn.shared_head_head.weight"] @ out
-        ref, ref_h = mtp_head(SPEC, last, mtp_target_hidden(SPEC, prev))
+        ref, ref_h = mtp_head(SPEC, last, mtp_target_hidden(SPEC, [prev]))
         assert np.allclose(z, ref, rtol=1e-6, atol=1e-5)
         assert np.allclose(out, ref_h, atol=1e-6)
 

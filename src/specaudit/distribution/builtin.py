@@ -52,6 +52,7 @@ _KIND_MODELS = {
     "last-token": "fixture",
     "context": "fixture-context",
     "mtp": "fixture-mtp",
+    "mtp-context": "fixture-mtp-context",
     "replay": "fixture-replay",
 }
 

@@ -171,7 +171,7 @@ def kind_paths(kind: str) -> tuple[str, ...]:
     """The paths a fixture kind runs: the MTP fixture `MTP_MODEL_PATHS` (only it has an MTP
     layer, and only MTP drafts with it), the replay fixture `REPLAY_MODEL_PATHS` (only its
     Mamba target makes llama-server replay), every other kind every other path."""
-    if kind == "mtp":
+    if kind in ("mtp", "mtp-context"):
         return MTP_MODEL_PATHS
     if kind == "replay":
         return REPLAY_MODEL_PATHS
@@ -209,7 +209,10 @@ def check_paths(
     for p in paths:
         if p not in kind_paths(kind):
             if p in MTP_PATHS:
-                need = "the mtp fixture (--fixture-kind mtp): only it has an MTP layer"
+                need = (
+                    "an mtp fixture (--fixture-kind mtp or mtp-context): only they have an "
+                    "MTP layer"
+                )
             elif p in REPLAY_PATHS:
                 need = (
                     "the replay fixture (--fixture-kind replay): only its Mamba target makes "

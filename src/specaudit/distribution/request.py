@@ -212,8 +212,8 @@ def load_fixture(
     kind: str | None = None,
 ) -> fixtures.FixtureSet:
     """The fixture at `path` (SHA-256 verified), or the built-in fixture of `kind` ("last-token",
-    the default, "context", "mtp" or "replay": `fixtures.KINDS`) built into `work_dir`. With
-    both, the fixture at `path` must be of that kind."""
+    the default, "context", "mtp", "mtp-context" or "replay": `fixtures.KINDS`) built into
+    `work_dir`. With both, the fixture at `path` must be of that kind."""
     _check_kind(None, kind)
     if path is None:
         # Building is deterministic and atomic, so a shared cache directory is safe.

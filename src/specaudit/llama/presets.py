@@ -17,7 +17,9 @@ from pathlib import Path
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
-MODELS = ("fixture", "fixture-context", "fixture-mtp", "fixture-replay", "gemma")
+MODELS = (
+    "fixture", "fixture-context", "fixture-mtp", "fixture-mtp-context", "fixture-replay", "gemma",
+)  # fmt: skip
 VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
@@ -37,8 +39,9 @@ PATHS = (
 # The MTP paths: `--spec-type draft-mtp` with no draft model drafts with the target's own
 # multi-token-prediction layer (a second, MTP-type context on the target model), greedy
 # (sample-and-match) or probabilistic (rejection sampling). Only the MTP fixture
-# (fixtures kind "mtp", model "fixture-mtp") has such a layer: on a model without one
-# llama-server refuses to start. That fixture runs these and "plain".
+# (fixtures kind "mtp", model "fixture-mtp"; kind "mtp-context", model "fixture-mtp-context")
+# has such a layer: on a model without one llama-server refuses to start. They run these and
+# "plain".
 MTP_PATHS = ("mtp", "mtp-rejection")
 # "eagle3": `--spec-type draft-eagle3` with the fixture's EAGLE3 head as -md
 # (fixtures.eagle3_draft), on the llama fixtures; argmax drafts, sample-and-match.
@@ -54,6 +57,7 @@ REPLAY_MODEL_PATHS = ("plain", *REPLAY_PATHS)
 #: The paths each fixture model runs (the llama fixtures: every path but the MTP and replay ones).
 MODEL_PATHS: dict[str, tuple[str, ...]] = {
     "fixture-mtp": MTP_MODEL_PATHS,
+    "fixture-mtp-context": MTP_MODEL_PATHS,
     "fixture-replay": REPLAY_MODEL_PATHS,
     **{
         m: tuple(p for p in PATHS if p not in MTP_PATHS and p not in REPLAY_PATHS)
@@ -118,6 +122,10 @@ POLICIES = {
         parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
     ),
     "fixture-mtp": Policy(parallel=4, ctx_per_slot=256, threads=1),
+    # the mtp-context fixture's trunk is the context fixture's attention: the same f32 KV cache
+    "fixture-mtp-context": Policy(
+        parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
+    ),
     "fixture-replay": Policy(parallel=4, ctx_per_slot=256, threads=1),
     "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
 }
@@ -211,14 +219,20 @@ PRESETS: dict[str, Preset] = {
             Preset(f"fixture-{t}-patched", "fixture", True, "patched", spec_type=t, args=a)
             for t, a in NGRAM_TYPE_ARGS.items()
         ),
-        Preset("fixture-mtp-plain", "fixture-mtp", False),
-        Preset("fixture-mtp-mtp", "fixture-mtp", True, spec_type="draft-mtp"),
-        Preset(
-            "fixture-mtp-mtp-rejection",
-            "fixture-mtp",
-            True,
-            spec_type="draft-mtp",
-            draft_sampling="probabilistic",
+        *(
+            p
+            for model in ("fixture-mtp", "fixture-mtp-context")
+            for p in (
+                Preset(f"{model}-plain", model, False),
+                Preset(f"{model}-mtp", model, True, spec_type="draft-mtp"),
+                Preset(
+                    f"{model}-mtp-rejection",
+                    model,
+                    True,
+                    spec_type="draft-mtp",
+                    draft_sampling="probabilistic",
+                ),
+            )
         ),
         Preset("fixture-replay-plain", "fixture-replay", False),
         Preset("fixture-replay-spec", "fixture-replay", True),
@@ -252,9 +266,9 @@ _PATH_ROLES = {
 
 def fixture_role(model: str, path: str) -> str:
     """The `PRESETS` name of a fixture server (`model` "fixture", "fixture-context",
-    "fixture-mtp" or "fixture-replay") on a verification path (a `PATHS` value; each model
-    runs its `MODEL_PATHS`: the MTP fixture `MTP_MODEL_PATHS`, the replay fixture
-    `REPLAY_MODEL_PATHS`, the others every other path)."""
+    "fixture-mtp", "fixture-mtp-context" or "fixture-replay") on a verification path (a
+    `PATHS` value; each model runs its `MODEL_PATHS`: the MTP fixtures `MTP_MODEL_PATHS`, the
+    replay fixture `REPLAY_MODEL_PATHS`, the others every other path)."""
     if model not in MODEL_PATHS:
         raise ValueError(f"not a fixture model: {model!r}")
     if path not in _PATH_ROLES:
