@@ -43,9 +43,14 @@ def _progress(pct: float, msg: str) -> None:
     print(f"[specaudit] building an MTP mutant: {pct:3.0f}% {msg[-60:]}", file=sys.stderr)
 
 
-@pytest.fixture(scope="module")
-def mtp_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    return fixtures.build(tmp_path_factory.mktemp("mtp"), kind="mtp")
+@pytest.fixture(scope="module", params=["mtp", "mtp-context"])
+def mtp_fixture(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> fixtures.FixtureSet:
+    """Both MTP fixtures: the last-token trunk, and the context fixture's attention on it
+    (target and draft see the whole context: a verified row at the wrong position, a stale or
+    missing KV entry of the target, or a hidden state from the wrong context changes them)."""
+    return fixtures.build(tmp_path_factory.mktemp(request.param), kind=request.param)
 
 
 def _collect(
@@ -113,6 +118,38 @@ def test_the_mtp_fixture_loads_and_drafts_with_its_own_mtp_layer(
     assert "creating MTP draft context against the target model" in log
     assert drafted > 0
     assert worst < 1e-6
+
+
+def test_patched_mtp_server_reports_the_closed_form_at_every_position(
+    patched_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet
+) -> None:
+    """With spec-logprobs every token, drafted and verified in a batch or not, reports the
+    target's closed-form distribution after its own prefix: the rows the MTP path verifies
+    are the right positions of the right context (on the mtp-context fixture a row computed
+    at a wrong position or over a stale KV entry would differ)."""
+    spec = mtp_fixture.spec
+    worst, compared, drafted = 0.0, 0, 0
+    with distribution.spawn_server(patched_bins, mtp_fixture, path="mtp") as srv:
+        for seed in range(1, 9):
+            body = {
+                "prompt": spec.prompt,
+                "n_predict": 12,
+                "n_probs": len(spec.tokens),
+                "seed": seed,
+                **fixtures.REPORT_SAMPLER.request_fields(),
+            }
+            r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
+            drafted += r["timings"].get("draft_n", 0)
+            text = spec.prompt
+            for tok in r["completion_probabilities"]:
+                expected = fixtures.raw_distribution(spec, text)
+                got = {c["token"]: math.exp(c["logprob"]) for c in tok["top_logprobs"]}
+                worst = max(worst, *(abs(got[x] - expected[x]) for x in spec.letters))
+                compared += 1
+                text += tok["token"]
+    print(f"\n{spec.kind}: {compared} tokens, {drafted} drafted, largest error {worst:.2e}")
+    assert compared == 8 * 12 and drafted > 0
+    assert worst < 1e-5
 
 
 def test_dist_keeps_the_distribution_on_both_mtp_paths(
