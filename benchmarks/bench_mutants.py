@@ -43,7 +43,7 @@ accepted counts differ from what a correct server drafts and accepts for that ve
 equivalent (every sample stock's) / kept, and why.
 
     .venv/bin/python benchmarks/bench_mutants.py [--seeds 2000] [--only NAME ...]
-        [--fidelity-seeds 20] [--fidelity-only] [--mtp-only]
+        [--fidelity-seeds 20] [--fidelity-only] [--mtp-only] [--mtp-kind mtp|mtp-context]
 """
 
 from __future__ import annotations
@@ -272,16 +272,23 @@ def mtp_table(rows: list[Row]) -> str:
     )
 
 
-def mtp_rows(bins: dict[str, LlamaBinaries], names: list[str], seeds: int, work: Path) -> list[Row]:
-    """Stock, spec-logprobs and each MTP mutant on the mtp fixture's MTP paths, T = 1."""
-    fs = fixtures.build(work / "mtp-fixture", kind="mtp")
+def mtp_rows(
+    bins: dict[str, LlamaBinaries],
+    names: list[str],
+    seeds: int,
+    work: Path,
+    kind: fixtures.FixtureKind = "mtp",
+) -> list[Row]:
+    """Stock, spec-logprobs and each MTP mutant on an MTP fixture's MTP paths, T = 1 (`kind`
+    "mtp", or "mtp-context": the same glm4moe on the context fixture's attention)."""
+    fs = fixtures.build(work / f"{kind}-fixture", kind=kind)
     rows: list[Row] = []
     stock: dict[tuple[str, str, float], tuple[list[str], Row]] = {}
     for name in names:
         for path in MTP_BENCH_PATHS:
-            d = work / "logs" / name / "mtp" / path
+            d = work / "logs" / name / kind / path
             d.mkdir(parents=True, exist_ok=True)
-            rows += measure_row(name, bins[name], "mtp", fs, path, (1.0,), seeds, d, stock)
+            rows += measure_row(name, bins[name], kind, fs, path, (1.0,), seeds, d, stock)
     return rows
 
 
@@ -441,6 +448,12 @@ def main() -> int:
         action="store_true",
         help="only the MTP mutants' rows (mtp fixture, MTP paths) and their controls",
     )
+    ap.add_argument(
+        "--mtp-kind",
+        choices=("mtp", "mtp-context"),
+        default="mtp",
+        help="the MTP fixture of the MTP rows (mtp-context: target and draft see the context)",
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     mutants = llama.available_mutants()
@@ -492,14 +505,17 @@ def main() -> int:
         print()
     if mtp_mutants:
         t_mtp = time.perf_counter()
-        mrows = mtp_rows(bins, ["stock", presets.PATCH, *mtp_mutants], args.seeds, work)
+        mrows = mtp_rows(
+            bins, ["stock", presets.PATCH, *mtp_mutants], args.seeds, work, args.mtp_kind
+        )
         print(mtp_table(mrows))
         print()
         false = [
             r for r in mrows if r.build in ("stock", presets.PATCH) and r.verdict != "PRESERVED"
         ]
         print(
-            f"mtp fixture, seeds 1..{args.seeds} per row, 4 tokens, top-k 3, T=1; controls "
+            f"{args.mtp_kind} fixture, seeds 1..{args.seeds} per row, 4 tokens, top-k 3, T=1; "
+            "controls "
             f"(stock, {presets.PATCH}) not PRESERVED: "
             + (", ".join(f"{r.build} {r.path}: {r.verdict}" for r in false) or "none")
             + f"; {time.perf_counter() - t_mtp:.0f} s"
