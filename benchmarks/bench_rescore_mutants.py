@@ -81,12 +81,13 @@ def looks(total_seeds: int, first: int) -> list[int]:
 
 
 def rescore_looks(
-    base: dict[str, Any], total_seeds: int, first: int, stop_early: bool
+    base: dict[str, Any], total_seeds: int, first: int, stop_early: bool, seed_start: int = 1
 ) -> runner.RescoreResult:
-    """Re-score `total_seeds` seeds in looks (fresh seed ranges), the draws pooled in seed
-    order; with `stop_early`, stop after the first look whose e-process crossed 1/alpha."""
+    """Re-score `total_seeds` seeds from `seed_start` in looks (fresh seed ranges), the draws
+    pooled in seed order; with `stop_early`, stop after the first look whose e-process crossed
+    1/alpha."""
     pooled: runner.RescoreResult | None = None
-    start = 1
+    start = seed_start
     for n in looks(total_seeds, first):
         res = runner.run(runner.make_request(**base, seeds=n, seed_start=start))
         start += n
@@ -146,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rows", type=Path, default=None, help="a JSON of rows already measured (kept)"
     )
+    ap.add_argument(
+        "--seed-start",
+        type=int,
+        default=1,
+        help="first seed of every row (another range re-checks a borderline row)",
+    )
     args = ap.parse_args(argv)
     builds = [*CONTROLS, *llama.available_mutants()]
     if args.only:
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for build in builds:
             log(f"{build}: building (or from the cache)")
             bins = binaries(build)
-            row: dict[str, Any] = {"build": build}
+            row: dict[str, Any] = {"build": build, "seed_start": args.seed_start}
             t0 = time.monotonic()
             stop_early = build not in CONTROLS and not args.full
             with distribution.spawn_server(
@@ -175,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                     tokens=4, sampler=REPORT_SAMPLER, alpha=ALPHA,
                     favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
                 )  # fmt: skip
-                res = rescore_looks(base, args.fixture_seeds, FIRST_LOOK, stop_early)
+                res = rescore_looks(
+                    base, args.fixture_seeds, FIRST_LOOK, stop_early, args.seed_start
+                )
                 row["fixture"] = cell(res, 4)
             with gemma_server(bins, gemma) as srv:
                 seeds = math.ceil(args.gemma_tokens / GEMMA_TOKENS_PER_SAMPLE)
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     tokens=GEMMA_TOKENS_PER_SAMPLE, sampler=GEMMA_SAMPLER, alpha=ALPHA,
                     concurrency=2, timeout=600.0,
                 )  # fmt: skip
-                res = rescore_looks(base, seeds, FIRST_LOOK, stop_early)
+                res = rescore_looks(base, seeds, FIRST_LOOK, stop_early, args.seed_start)
                 row["gemma"] = cell(res, GEMMA_TOKENS_PER_SAMPLE)
             log(f"{build}: {row['fixture']['verdict']} / {row['gemma']['verdict']} "
                 f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
