@@ -90,6 +90,45 @@ def test_a_distribution_that_does_not_cover_the_support_is_refused() -> None:
         asyncio.run(go())
 
 
+def test_concurrent_identical_questions_reach_the_reference_once() -> None:
+    """Seeds that reach the same prefix at the same time share one request; another prefix is
+    its own; a later question is answered from the cache."""
+    asked: list[Any] = []
+    answer = {
+        "completion_probabilities": [
+            {
+                "top_probs": [
+                    {"id": 1, "prob": 0.5},
+                    {"id": 2, "prob": 0.3},
+                    {"id": 3, "prob": 0.2},
+                ]
+            }
+        ]
+    }
+    routes = {"/slots": [{"id": 0, "speculative": False}], "/v1/models": META}
+
+    async def handler(req: web.BaseRequest) -> web.StreamResponse:
+        body = await req.read()
+        if req.path == "/completion":
+            asked.append(json.loads(body)["prompt"])
+            await asyncio.sleep(0.2)  # keep the first question in flight while the others come
+            return web.json_response(answer)
+        return web.json_response(routes[req.path])
+
+    async def go() -> list[refmod.NextToken]:
+        with fakes.serve(handler) as s:
+            async with refmod.Reference(s.url, SAMPLER, concurrency=8) as ref:
+                await ref.prepare()
+                got = await asyncio.gather(*(ref.next_token([4, 5]) for _ in range(6)))
+                got.append(await ref.next_token([4, 6]))
+                got.append(await ref.next_token([4, 5]))
+                return got
+
+    got = asyncio.run(go())
+    assert len(asked) == 2 and sorted(map(tuple, asked)) == [(4, 5), (4, 6)]
+    assert all(g.probs == {1: 0.5, 2: 0.3, 3: 0.2} for g in got)
+
+
 def test_an_engine_that_returns_no_token_ids_is_refused() -> None:
     routes = {"/completion": {"content": "abc"}}
 

@@ -185,8 +185,10 @@ def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
 class Reference:
     """An async client of a plain llama-server serving the reference model.
 
-    Answers are cached by prefix (every seed's first token shares the prompt's prefix), and
-    at most `concurrency` requests are in flight (the reference's parallel slots).
+    Answers are cached by prefix (every seed's first token shares the prompt's prefix), a
+    question already in flight is not asked twice (concurrent seeds reach the same prefixes at
+    once: the prompt, and on a small vocabulary most short continuations), and at most
+    `concurrency` requests are in flight (the reference's parallel slots).
     """
 
     def __init__(
@@ -204,6 +206,7 @@ class Reference:
         self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency)
         self._sem = asyncio.Semaphore(concurrency)
         self._cache: dict[tuple[int, ...], NextToken] = {}
+        self._asking: dict[tuple[int, ...], asyncio.Future[NextToken]] = {}
         self._n_probs = 0
         self.requests = 0
 
@@ -276,6 +279,16 @@ class Reference:
             return hit
         if not self._n_probs:
             raise RescoreError("Reference.prepare() must run before next_token()")
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask(key))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        # shielded: one caller cancelled (a seed's task torn down) must not cancel the others
+        return await asyncio.shield(asking)
+
+    async def _ask(self, key: tuple[int, ...]) -> NextToken:
+        ids = list(key)
         async with self._sem:
             body = await self._client.post(
                 "/completion", completion_body(ids, self.sampler, self._n_probs)
