@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         help="first seed of every row (another range re-checks a borderline row)",
     )
     args = ap.parse_args(argv)
+    # Ctrl-C stops the run as SIGTERM does: at once, the servers with it (they die with their
+    # parent), the rows measured so far already in --json. Python's own SIGINT handling would
+    # wait for a look's reference calls (sync HTTP in worker threads) to finish first.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     builds = [*CONTROLS, *llama.available_mutants()]
     if args.only:
         builds = [b for b in builds if b in args.only or b.removeprefix("mutants/") in args.only]
