@@ -206,6 +206,22 @@ def test_bad_requests_are_one_line_errors() -> None:
         runner.make_request("http://127.0.0.1:9", reference_url="http://127.0.0.1:8", seeds=2)
 
 
+def test_every_prompt_draws_its_own_seeds() -> None:
+    """One seed on two prompts gives both llama.cpp's same uniforms: their draws would be
+    dependent, so no seed is sampled twice in a run."""
+    jobs = runner.seed_jobs(7, 5, 3)
+    assert len(jobs) == 15 and len({s for s, _ in jobs}) == 15
+    assert sorted(s for s, p in jobs if p == 0) == [7, 8, 9, 10, 11]
+    assert sorted(s for s, p in jobs if p == 2) == [17, 18, 19, 20, 21]
+    assert [p for _, p in jobs[:3]] == [0, 1, 2]  # prompts interleaved
+    assert runner.seed_jobs(1, 4, 1) == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    with pytest.raises(RescoreError, match="must fit 32 bits"):
+        runner.check_run(
+            seeds=1000, tokens=8, alpha=0.01, concurrency=1, seed_start=2**32 - 2500,
+            sampler=SamplerSettings(top_k=3, temperature=1.0), prompts=3,
+        )  # fmt: skip
+
+
 def _bodies_sent(make: Any, answer: dict[str, Any], path: str) -> list[dict[str, Any]]:
     """The JSON bodies a sampler built by `make(url)` posts to `path` for one sample."""
     seen: list[dict[str, Any]] = []

@@ -140,7 +140,9 @@ class _RescoreCommand(click.Command):
     help="Prompt (repeatable); with --dist-engine one prompt in the fixture's letters "
     "[default: the fixture's].",
 )
-@seeds_option(default=200, min_value=1, help="Seeds per prompt (1..N).")
+@seeds_option(
+    default=200, min_value=1, help="Seeds per prompt (N): prompt p draws seeds p*N+1..(p+1)*N."
+)
 @tokens_option(default=8, min_value=1, help="Tokens per sample.")
 @temperature_option()
 @click.option("--top-k", type=click.IntRange(0, 1 << 20), default=40, show_default=True)
@@ -181,12 +183,13 @@ def command(
 ) -> None:
     """Re-score any model's samples against a plain reference of the same model.
 
-    Draws seeds 1..N for each prompt from the engine at URL, then asks the reference (the
-    same model file served without speculation) for its processed next-token distribution
-    given each sampled token's exact prefix, as token ids. Every token becomes a randomised
-    PIT value, Uniform(0,1) when the engine samples what the reference says; KS, a directed
-    test toward the draft's favourite, per-prefix G-tests and an anytime-valid e-process
-    decide (docs/rescore.md).
+    Draws N seeds for each prompt from the engine at URL (each prompt its own range: one
+    seed gives every prompt the same uniforms, and the tests need independent draws), then
+    asks the reference (the same model file served without speculation) for its processed
+    next-token distribution given each sampled token's exact prefix, as token ids. Every
+    token becomes a randomised PIT value, Uniform(0,1) when the engine samples what the
+    reference says; KS, a directed test toward the draft's favourite, per-prefix G-tests and
+    an anytime-valid e-process decide (docs/rescore.md).
 
     With --dist-engine NAME, the engine is one of `specaudit dist`'s (its own options as
     there), run on a fixture, and every token it samples is re-scored against a plain stock

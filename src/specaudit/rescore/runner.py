@@ -167,8 +167,14 @@ def check_run(
     if seed_start is None:
         if not 1 <= seeds <= MAX_SEEDS:
             raise RescoreError(f"--seeds must be between 1 and {MAX_SEEDS}")
-    elif not 1 <= seeds <= MAX_SEEDS or seed_start < 0 or seed_start + seeds > validate.MAX_SEED:
-        raise RescoreError("--seeds must be at least 1 and seeds must fit 32 bits")
+    elif (
+        not 1 <= seeds <= MAX_SEEDS
+        or seed_start < 0
+        or seed_start + seeds * prompts > validate.MAX_SEED
+    ):
+        raise RescoreError(
+            "--seeds must be at least 1 and every prompt's seed range must fit 32 bits"
+        )
     if not 0 < alpha < 0.5:
         raise RescoreError("--alpha must be between 0 and 0.5")
     if not 1 <= concurrency <= MAX_CONCURRENCY:
@@ -178,6 +184,17 @@ def check_run(
             "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
         )
     analysis.check_enough(seeds * tokens * prompts, alpha)
+
+
+def seed_jobs(seed_start: int, seeds: int, prompts: int) -> list[tuple[int, int]]:
+    """Every (seed, prompt) to sample, prompts interleaved: prompt p draws its own seeds,
+    seed_start + p * seeds up to seed_start + (p + 1) * seeds - 1.
+
+    Why not seeds 1..N on every prompt: llama.cpp's sampler draws its uniforms from a
+    generator seeded by the seed alone, so one seed on two prompts gives both the same
+    uniforms, and their tokens' PIT values and favourite hits are dependent. The tests assume
+    independent draws; shared seeds made a plain Gemma server fail the directed test."""
+    return [(seed_start + p * seeds + i, p) for i in range(seeds) for p in range(prompts)]
 
 
 @dataclass
@@ -368,8 +385,7 @@ async def _sample_and_rescore(
     res: RescoreResult,
     progress: ProgressFn | None,
 ) -> None:
-    seeds = range(req.seed_start, req.seed_start + req.seeds)
-    jobs = [(s, p) for s in seeds for p in range(len(prompts))]
+    jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
     sem = asyncio.Semaphore(req.concurrency)
     samples: dict[tuple[int, int], Sample] = {}
     draws: dict[tuple[int, int], list[TokenDraw]] = {}
@@ -449,8 +465,7 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
         identity=ident, prompts=prompts, seeds=req.seeds, tokens=req.tokens, sampler=req.sampler,
     )  # fmt: skip
     sem = asyncio.Semaphore(req.concurrency)
-    seeds = range(req.seed_start, req.seed_start + req.seeds)
-    jobs = [(s, p) for s in seeds for p in range(len(prompts))]
+    jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
     got: dict[tuple[int, int], Sample] = {}
 
     async def one(seed: int, p: int) -> None:
@@ -498,6 +513,7 @@ __all__ = [
     "RescoreResult",
     "check_reference",
     "check_run",
+    "seed_jobs",
     "generated_ids",
     "make_request",
     "run",
