@@ -46,7 +46,8 @@ async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: i
 
     t0 = time.monotonic()
     try:
-        await asyncio.gather(*(one(s, p) for s in seeds for p in range(len(prompts))))
+        jobs = runner.seed_jobs(seeds.start, len(seeds), len(prompts))  # as rescore.run draws
+        await asyncio.gather(*(one(s, p) for s, p in jobs))
     finally:
         await smp.aclose()
     return time.monotonic() - t0
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     reqs: list[int] = []
     with eng, ref:
         for r in range(args.rounds):
-            seeds = range(1 + r * args.seeds, 1 + (r + 1) * args.seeds)
+            # seeds per prompt; each prompt draws its own range (runner.seed_jobs)
+            first = 1 + r * args.seeds * len(runner.DEFAULT_PROMPTS)
+            seeds = range(first, first + args.seeds)
             arms = ["sampling", "rescored"] if r % 2 == 0 else ["rescored", "sampling"]
             for arm in arms:
                 if arm == "sampling":
