@@ -62,6 +62,7 @@ def rescored(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> tu
         tokens=tokens,
         sampler=SAMPLER,
         concurrency=conc,
+        timeout=600.0,  # a request may queue behind the reference's noise probe on 2 cores
     )
     t0 = time.monotonic()
     res = runner.run(req)
