@@ -13,11 +13,12 @@ import pytest
 from aiohttp import web
 
 import fakes
+from specaudit.client import ClientError
 from specaudit.fixtures import SamplerSettings
 from specaudit.rescore import reference as refmod
 from specaudit.rescore import runner
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.sampling import OpenAISampler, ServerSampler
+from specaudit.rescore.sampling import OpenAISampler, Sample, ServerSampler
 
 SAMPLER = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0)
 META = {"data": [{"id": "m", "meta": {"n_vocab": 11, "n_params": 100, "size": 10}}]}
@@ -220,6 +221,41 @@ def test_every_prompt_draws_its_own_seeds() -> None:
             seeds=1000, tokens=8, alpha=0.01, concurrency=1, seed_start=2**32 - 2500,
             sampler=SamplerSettings(top_k=3, temperature=1.0), prompts=3,
         )  # fmt: skip
+
+
+class _FlakySampler:
+    """Fails its first `fails` calls with `error`, then draws."""
+
+    label = "flaky"
+
+    def __init__(self, error: ClientError, fails: int) -> None:
+        self.error, self.fails, self.calls = error, fails, 0
+
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise self.error
+        return Sample(seed, prompt, (1, 2))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_dropped_engine_connection_is_drawn_again_once() -> None:
+    """A keep-alive connection the engine closed fails on reuse with no HTTP status: the
+    seed is drawn again (its answer was never read); an HTTP error or an engine that stays
+    down is not retried forever."""
+    drop = ClientError("ReadError talking to http://127.0.0.1:9/completion: ")
+    once = _FlakySampler(drop, 1)
+    got = asyncio.run(runner._draw(once, 0, [1], 7))
+    assert got.seed == 7 and once.calls == 2
+    down = _FlakySampler(drop, 2)
+    with pytest.raises(ClientError):
+        asyncio.run(runner._draw(down, 0, [1], 7))
+    http = _FlakySampler(ClientError("answered HTTP 500", 500), 1)
+    with pytest.raises(ClientError, match="HTTP 500"):
+        asyncio.run(runner._draw(http, 0, [1], 7))
+    assert http.calls == 1
 
 
 def _bodies_sent(make: Any, answer: dict[str, Any], path: str) -> list[dict[str, Any]]:

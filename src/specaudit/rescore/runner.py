@@ -377,6 +377,20 @@ async def _ask(ref: Reference, prefix: Sequence[int]) -> NextToken:
         return await ref.next_token(prefix)
 
 
+async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) -> Sample:
+    """One seeded sample, drawn again once after a transport error (no HTTP status): a
+    keep-alive connection the engine closed while the event loop was held (a progress
+    callback that stops a server, an in-process engine) fails on reuse. Its answer was never
+    read, so drawing the seed again loses nothing and counts nothing twice; an engine that is
+    down fails twice."""
+    try:
+        return await sampler.sample(prompt, ids, seed)
+    except ClientError as e:
+        if e.status is not None:
+            raise
+        return await sampler.sample(prompt, ids, seed)
+
+
 async def _sample_and_rescore(
     req: RescoreRequest,
     sampler: Sampler,
@@ -398,7 +412,7 @@ async def _sample_and_rescore(
             return
         async with sem:
             try:
-                s = await sampler.sample(p, prompts[p], seed)
+                s = await _draw(sampler, p, prompts[p], seed)
             except (ClientError, RescoreError) as e:
                 eng_failed.append(str(e))
                 return
@@ -470,7 +484,7 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
 
     async def one(seed: int, p: int) -> None:
         async with sem:
-            got[(seed, p)] = await sampler.sample(p, prompts[p], seed)
+            got[(seed, p)] = await _draw(sampler, p, prompts[p], seed)
         if progress:
             progress(len(got), len(jobs))
 
