@@ -59,6 +59,17 @@ def test_findings_alone_exit_0(tmp_path: Path) -> None:
     assert rep.exit_code == 0 and not rep.errors
 
 
+def test_every_plot_is_shown_once(tmp_path: Path) -> None:
+    def fn(ctx: AuditContext) -> Section:
+        inline, appended = tmp_path / "inline.png", tmp_path / "appended.png"
+        md = "verdict\n\n![PIT histogram](inline.png)\n\ntable"
+        return Section(key="p", title="P", markdown=md, plots=[inline, appended])
+
+    audit.run(tmp_path, sections=(("p", fn),))
+    md = (tmp_path / "report.md").read_text()
+    assert md.count("](inline.png)") == 1 and md.count("](appended.png)") == 1
+
+
 def test_unknown_only_is_an_error_not_an_empty_report(tmp_path: Path) -> None:
     with pytest.raises(SpecauditError, match="unknown section nope"):
         audit.run(tmp_path, only=("nope",), sections=(("a", _ok("a")),))

@@ -119,7 +119,8 @@ def to_markdown(report: AuditReport) -> str:
         lines += ["", f"## {s.title}", "", s.markdown]
         for p in s.plots:
             rel = p.relative_to(report.out_dir) if p.is_relative_to(report.out_dir) else p
-            lines += ["", f"![{p.stem}]({rel})"]
+            if f"]({rel})" not in s.markdown:  # a section may place its plot in its own text
+                lines += ["", f"![{p.stem}]({rel})"]
     return "\n".join(lines) + "\n"
 
 
