@@ -17,7 +17,7 @@ from specaudit.client import ClientError
 from specaudit.fixtures import SamplerSettings
 from specaudit.rescore import reference as refmod
 from specaudit.rescore import runner
-from specaudit.rescore.records import RescoreError
+from specaudit.rescore.records import NextToken, RescoreError
 from specaudit.rescore.sampling import OpenAISampler, Sample, ServerSampler
 
 SAMPLER = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0)
@@ -328,3 +328,70 @@ def test_the_samplers_send_the_sampler_chain_with_end_tokens_masked() -> None:
             "seed": 5,
         }
     ]
+
+
+def test_a_token_past_the_margin_is_at_the_edge_only_if_its_own_prefix_says_so() -> None:
+    whole = NextToken(
+        probs={1: 0.5, 2: 0.3, 3: 0.2}, logprobs={1: -1.0, 2: -1.5, 3: -2.0, 4: -2.3, 5: -4.0}
+    )
+    swapped = NextToken(
+        probs={1: 0.5, 2: 0.3, 4: 0.2}, logprobs={1: -1.0, 2: -1.5, 3: -2.02, 4: -2.01, 5: -4.0}
+    )
+    wobble = NextToken(
+        probs={1: 0.5, 2: 0.3, 3: 0.2}, logprobs={1: -1.2, 2: -1.5, 3: -2.0, 4: -2.3}
+    )
+    assert not refmod.at_the_edge(4, [whole], 1e-3)  # 0.3 nats past the 3rd, no other shape
+    assert refmod.at_the_edge(4, [whole, swapped], 1e-3)  # in the top 3 of another batch shape
+    assert refmod.logprob_spread([whole, wobble]) == pytest.approx(0.2)
+    assert refmod.at_the_edge(4, [whole, wobble], 1e-3)  # 0.3 past, within twice a 0.2 spread
+    assert not refmod.at_the_edge(5, [whole, swapped, wobble], 1e-3)  # 2 nats past: impossible
+    assert refmod.at_the_edge(5, [whole], 2.5)  # the run's own margin still applies
+
+
+def _utf8_server(held_seeds: int, seeds: list[int]) -> Any:
+    """A /completion whose draw is a byte token (held back, no probabilities) for seeds below
+    `held_seeds`, as llama-server answers when its one drawn token ends inside a character."""
+    probs = [{"id": 1, "prob": 0.5}, {"id": 2, "prob": 0.3}, {"id": 3, "prob": 0.2}]
+    answer = {"content": "x", "tokens_predicted": 1, "completion_probabilities": [
+        {"top_probs": probs, "top_logprobs": [{"id": 1, "logprob": -0.7}]}
+    ]}  # fmt: skip
+    held = {"content": "\ufffd", "tokens": [], "tokens_predicted": 1, "stop_type": "limit"}
+    routes = {"/slots": [{"id": 0, "speculative": False}], "/v1/models": META}
+
+    async def handler(req: web.BaseRequest) -> web.StreamResponse:
+        body = await req.read()
+        if req.path == "/completion":
+            seeds.append(json.loads(body)["seed"])
+            return web.json_response(held if seeds[-1] < held_seeds else answer)
+        if req.path not in routes:
+            return web.json_response({"error": "not supported"}, status=501)
+        return web.json_response(routes[req.path])
+
+    return handler
+
+
+def test_a_draw_held_back_inside_a_utf8_character_is_asked_again_with_another_seed() -> None:
+    seeds: list[int] = []
+    with fakes.serve(_utf8_server(2, seeds)) as s:
+        nt = refmod.ask_next_token(s.url, [4, 5], SAMPLER, 3)
+    assert nt.probs == {1: 0.5, 2: 0.3, 3: 0.2} and nt.logprobs == {1: -0.7}
+    assert seeds == [0, 1, 2, 0, 1, 2]  # the processed question, then the raw one
+
+    async def go() -> tuple[refmod.NextToken, int]:
+        with fakes.serve(_utf8_server(3, seeds)) as s:
+            async with refmod.Reference(s.url, SAMPLER) as ref:
+                await ref.prepare()
+                return await ref.next_token([4, 6]), ref.requests
+
+    seeds.clear()
+    nt, requests = asyncio.run(go())
+    assert nt.probs == {1: 0.5, 2: 0.3, 3: 0.2} and seeds == [0, 1, 2, 3]
+    assert requests == len(seeds)  # every request counted, the held-back ones too
+
+
+def test_a_prefix_whose_every_draw_is_held_back_is_one_clear_error() -> None:
+    seeds: list[int] = []
+    held = pytest.raises(RescoreError, match="ends inside a UTF-8 character")
+    with fakes.serve(_utf8_server(10**6, seeds)) as s, held:
+        refmod.ask_next_token(s.url, [4, 5], SAMPLER, 3)
+    assert seeds == list(range(refmod.DRAW_SEEDS))

@@ -35,6 +35,8 @@ COVERAGE = 1.0 - 1e-4
 # Probe prompt distributions of engine and reference may differ by this much (float noise of
 # batch sizes and threads; the fidelity check measures the floor properly).
 PROBE_TOLERANCE = 0.02
+# Seeds a one-token question is asked with while its draw is held back (`held_back`).
+DRAW_SEEDS = 16
 
 
 @dataclass(frozen=True)
@@ -160,14 +162,20 @@ def ask_next_token(
     raw_n = n_probs if raw_probs is None else raw_probs
     raw_body = completion_body(ids, sampler, raw_n, post=False, cache_prompt=cache_prompt)
     with Client(url, timeout=timeout) as c:
-        post = parse_next_token(c.post("/completion", post_body), post=True)
-        raw = parse_next_token(c.post("/completion", raw_body), post=False)
+        post = read_next_token(c, post_body, post=True)
+        raw = read_next_token(c, raw_body, post=False)
     return NextToken(probs=post, logprobs=raw)
 
 
 def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
     """token id -> probability (post) or log-probability (raw) of the first generated token's
     candidates; a RescoreError when the answer carries none."""
+    if held_back(body):
+        raise RescoreError(
+            f"the server drew a token that ends inside a UTF-8 character at this prefix with "
+            f"each of {DRAW_SEEDS} seeds, and llama-server reports no probabilities for such a "
+            "token"
+        )
     try:
         entry = body["completion_probabilities"][0]
         cands = entry["top_probs" if post else "top_logprobs"]
@@ -180,6 +188,44 @@ def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
     if not out or any(not math.isfinite(v) for v in out.values() if post):
         raise RescoreError("the reference returned no usable next-token probabilities")
     return out
+
+
+def held_back(body: Any) -> bool:
+    """Whether a one-token answer came without probabilities because its draw was held back:
+    llama-server keeps a token whose text ends inside a UTF-8 character (a byte token) until
+    the character completes, and records its probabilities only then; at ``n_predict: 1`` it
+    never completes, so the answer has none. The distribution does not depend on the draw, so
+    another seed's answer is as good (`read_next_token`)."""
+    return (
+        isinstance(body, dict)
+        and not body.get("completion_probabilities")
+        and body.get("tokens_predicted") == 1
+    )
+
+
+def read_next_token(c: Client, body: Mapping[str, Any], *, post: bool) -> dict[int, float]:
+    """`parse_next_token` of ``/completion`` with `body`, asked with seeds 0, 1, ... while the
+    draw is held back (`held_back`), at most `DRAW_SEEDS` times."""
+    ans: Any = None
+    for seed in range(DRAW_SEEDS):
+        ans = c.post("/completion", {**body, "seed": seed})
+        if not held_back(ans):
+            break
+    return parse_next_token(ans, post=post)
+
+
+async def aread_next_token(
+    c: AsyncClient, body: Mapping[str, Any], *, post: bool
+) -> tuple[dict[int, float], int]:
+    """`read_next_token` on an async client; also returns the requests it made."""
+    ans: Any = None
+    n = 0
+    for seed in range(DRAW_SEEDS):
+        ans = await c.post("/completion", {**body, "seed": seed})
+        n += 1
+        if not held_back(ans):
+            break
+    return parse_next_token(ans, post=post), n
 
 
 class Reference:
@@ -246,11 +292,11 @@ class Reference:
     async def raw(self, ids: Sequence[int], n: int) -> dict[int, float]:
         """The raw (pre-sampling) top-`n` log-probabilities after `ids`."""
         async with self._sem:
-            body = await self._client.post(
-                "/completion", completion_body(ids, self.sampler, n, post=False)
+            raw, asked = await aread_next_token(
+                self._client, completion_body(ids, self.sampler, n, post=False), post=False
             )
-            self.requests += 1
-        return parse_next_token(body, post=False)
+            self.requests += asked
+        return raw
 
     async def tokenize(self, text: str) -> list[int]:
         """The reference's token ids of `text` (special tokens parsed, BOS added as the
@@ -290,18 +336,18 @@ class Reference:
     async def _ask(self, key: tuple[int, ...]) -> NextToken:
         ids = list(key)
         async with self._sem:
-            body = await self._client.post(
-                "/completion", completion_body(ids, self.sampler, self._n_probs)
+            probs, asked = await aread_next_token(
+                self._client, completion_body(ids, self.sampler, self._n_probs), post=True
             )
-            self.requests += 1
+            self.requests += asked
             raw: dict[int, float] = {}
             if self.raw_probs:
-                rb = await self._client.post(
-                    "/completion", completion_body(ids, self.sampler, self.raw_probs, post=False)
+                raw, asked = await aread_next_token(
+                    self._client,
+                    completion_body(ids, self.sampler, self.raw_probs, post=False),
+                    post=False,
                 )
-                self.requests += 1
-                raw = parse_next_token(rb, post=False)
-        probs = parse_next_token(body, post=True)
+                self.requests += asked
         total = sum(probs.values())
         if total < COVERAGE:
             raise RescoreError(
@@ -389,18 +435,14 @@ def incremental_answers(
                 continue
             warm = {**completion_body(ids[:-k], sampler, 1), "id_slot": 0}
             c.post("/completion", warm)
-            post = parse_next_token(
-                c.post("/completion", {**completion_body(ids, sampler, n_probs), "id_slot": 0}),
-                post=True,
+            post = read_next_token(
+                c, {**completion_body(ids, sampler, n_probs), "id_slot": 0}, post=True
             )
             c.post("/completion", warm)
-            raw = parse_next_token(
-                c.post(
-                    "/completion",
-                    {**completion_body(ids, sampler, raw_probs, post=False), "id_slot": 0},
-                ),
+            raw = read_next_token(
+                c, {**completion_body(ids, sampler, raw_probs, post=False), "id_slot": 0},
                 post=False,
-            )
+            )  # fmt: skip
             out.append(NextToken(probs=post, logprobs=raw))
     return out
 
@@ -437,13 +479,34 @@ def noise_spread(
             answers = list(ex.map(whole, [p] * 4))
         answers += incremental_answers(url, p, sampler, n_probs, raw_probs=n_probs + 20)
         tv = max(tv, *(probe_difference(a.probs, b.probs) for a in answers for b in answers))
-        common = set.intersection(*(set(a.logprobs) for a in answers))
-        spreads = [
-            max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers)
-            for t in common
-        ]
-        lp = max(lp, *spreads) if spreads else lp
+        lp = max(lp, logprob_spread(answers))
     return tv, lp
+
+
+def logprob_spread(answers: Sequence[NextToken]) -> float:
+    """The largest spread of one token's raw logprob across `answers` (tokens every answer
+    reports); 0 for fewer than two answers."""
+    if len(answers) < 2:
+        return 0.0
+    common = set.intersection(*(set(a.logprobs) for a in answers))
+    return max(
+        (max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers) for t in common),
+        default=0.0,
+    )
+
+
+def at_the_edge(token: int, answers: Sequence[NextToken], margin: float) -> bool:
+    """Whether `token`, outside one answer's top-k, is inside it in another batch shape, or
+    within the margin of the k-th token's raw logprob in one of them: the larger of `margin`
+    and twice the spread measured among these answers (answers for one prefix)."""
+    m = max(margin, 2 * logprob_spread(answers))
+    for a in answers:
+        if token in a.probs:
+            return True
+        support = [a.logprobs[t] for t in a.probs if t in a.logprobs]
+        if token in a.logprobs and support and a.logprobs[token] >= min(support) - m:
+            return True
+    return False
 
 
 def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
@@ -478,18 +541,24 @@ def start_reference(
 
 __all__ = [
     "COVERAGE",
+    "DRAW_SEEDS",
     "MAX_SUPPORT",
     "PROBE_TOLERANCE",
     "ModelIdentity",
     "Reference",
     "ServerReference",
     "ask_next_token",
+    "aread_next_token",
+    "at_the_edge",
     "completion_body",
     "incremental_answers",
     "noise_spread",
+    "held_back",
     "identity_from_models",
+    "logprob_spread",
     "parse_next_token",
     "probe_difference",
+    "read_next_token",
     "sampling_fields",
     "start_reference",
     "support_size",

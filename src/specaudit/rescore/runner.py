@@ -25,10 +25,12 @@ from specaudit.rescore.reference import (
     PROBE_TOLERANCE,
     ModelIdentity,
     Reference,
+    aread_next_token,
+    at_the_edge,
     completion_body,
     identity_from_models,
+    incremental_answers,
     noise_spread,
-    parse_next_token,
     probe_difference,
     start_reference,
     support_size,
@@ -41,6 +43,7 @@ MAX_TOKENS = 512
 MAX_SEEDS = 10_000_000
 MAX_CONCURRENCY = 256
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
+EDGE_CONFIRM = 8  # tokens just past the margin whose own prefix's spread is measured
 
 ProgressFn = Callable[[int, int], None]
 # (reference, first prompt's ids) -> TV between what the engine runs and the reference, or None
@@ -270,8 +273,10 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
         return None
     nt = await ref.next_token(ids)
     async with AsyncClient(req.url, timeout=req.timeout) as c:
-        body = await c.post("/completion", completion_body(ids, req.sampler, len(nt.probs) + 8))
-    return probe_difference(parse_next_token(body, post=True), nt.probs)
+        probs, _ = await aread_next_token(
+            c, completion_body(ids, req.sampler, len(nt.probs) + 8), post=True
+        )
+    return probe_difference(probs, nt.probs)
 
 
 async def run_against(
@@ -330,7 +335,9 @@ async def run_against(
         try:
             await _sample_and_rescore(req, sampler, ref, prompts, res, progress)
             if res.error is None:
-                await _split_boundary(res, ref, n_probs, max(2 * lp_floor, BOUNDARY_MIN))
+                await _split_boundary(
+                    res, ref, n_probs, max(2 * lp_floor, BOUNDARY_MIN), req.timeout
+                )
         finally:
             await sampler.aclose()
             res.reference_requests = ref.requests
@@ -340,23 +347,39 @@ async def run_against(
     return res
 
 
-async def _split_boundary(res: RescoreResult, ref: Reference, n_probs: int, margin: float) -> None:
+async def _split_boundary(
+    res: RescoreResult, ref: Reference, n_probs: int, margin: float, timeout: float
+) -> None:
     """Tokens outside the reference's top-k whose raw logprob is within `margin` of the k-th
     token's: on a quantised model batch-shape noise can swap the k-th and (k+1)-th tokens,
-    so these are counted (`boundary`) and left out of the PIT; tokens further out stay
-    impossible (BROKEN)."""
-    keep: list[TokenDraw] = []
+    so these are counted (`boundary`) and left out of the PIT. The `EDGE_CONFIRM` tokens
+    just past the margin are asked again at their own prefix in the batch shapes a
+    verification uses (`incremental_answers`): the margin comes from the first prompt only,
+    and the spread differs from prefix to prefix (a 4000-token Gemma run had one token just
+    past it). A token inside the top-k in one of those shapes, or within twice their spread,
+    is at the edge too; every other stays impossible (BROKEN)."""
+    edge: set[int] = set()  # id() of the draws left out of the PIT
+    past: list[tuple[float, TokenDraw, list[int], dict[int, float]]] = []
     for d in res.draws:
         if d.token in d.ref.probs:
-            keep.append(d)
             continue
-        raw = await ref.raw([*res.prompts[d.prompt], *generated_ids(res, d)], n_probs + 20)
+        prefix = [*res.prompts[d.prompt], *generated_ids(res, d)]
+        raw = await ref.raw(prefix, n_probs + 20)
         support = [raw[t] for t in d.ref.probs if t in raw]
         if d.token in raw and support and raw[d.token] >= min(support) - margin:
-            res.boundary += 1
-        else:
-            keep.append(d)
-    res.draws = keep
+            edge.add(id(d))
+        elif d.token in raw and support:
+            past.append((min(support) - raw[d.token], d, prefix, raw))
+    past.sort(key=lambda x: x[0])
+    for _, d, prefix, raw in past[:EDGE_CONFIRM]:
+        answers = await asyncio.to_thread(
+            incremental_answers, ref.url, prefix, ref.sampler, n_probs,
+            raw_probs=n_probs + 20, timeout=timeout,
+        )  # fmt: skip
+        if at_the_edge(d.token, [NextToken(probs=d.ref.probs, logprobs=raw), *answers], margin):
+            edge.add(id(d))
+    res.boundary += len(edge)
+    res.draws = [d for d in res.draws if id(d) not in edge]
 
 
 def generated_ids(res: RescoreResult, d: TokenDraw) -> list[int]:
