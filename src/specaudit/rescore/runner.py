@@ -359,24 +359,24 @@ async def _split_boundary(
     past it). A token inside the top-k in one of those shapes, or within twice their spread,
     is at the edge too; every other stays impossible (BROKEN)."""
     edge: set[int] = set()  # id() of the draws left out of the PIT
-    past: list[tuple[float, TokenDraw, list[int], dict[int, float]]] = []
+    past: list[tuple[float, TokenDraw, list[int], NextToken]] = []
     for d in res.draws:
         if d.token in d.ref.probs:
             continue
         prefix = [*res.prompts[d.prompt], *generated_ids(res, d)]
-        raw = await ref.raw(prefix, n_probs + 20)
-        support = [raw[t] for t in d.ref.probs if t in raw]
-        if d.token in raw and support and raw[d.token] >= min(support) - margin:
+        whole = NextToken(probs=d.ref.probs, logprobs=await ref.raw(prefix, n_probs + 20))
+        support = [whole.logprobs[t] for t in d.ref.probs if t in whole.logprobs]
+        if at_the_edge(d.token, [whole], margin):
             edge.add(id(d))
-        elif d.token in raw and support:
-            past.append((min(support) - raw[d.token], d, prefix, raw))
+        elif d.token in whole.logprobs and support:
+            past.append((min(support) - whole.logprobs[d.token], d, prefix, whole))
     past.sort(key=lambda x: x[0])
-    for _, d, prefix, raw in past[:EDGE_CONFIRM]:
+    for _, d, prefix, whole in past[:EDGE_CONFIRM]:
         answers = await asyncio.to_thread(
             incremental_answers, ref.url, prefix, ref.sampler, n_probs,
             raw_probs=n_probs + 20, timeout=timeout,
         )  # fmt: skip
-        if at_the_edge(d.token, [NextToken(probs=d.ref.probs, logprobs=raw), *answers], margin):
+        if at_the_edge(d.token, [whole, *answers], margin):
             edge.add(id(d))
     res.boundary += len(edge)
     res.draws = [d for d in res.draws if id(d) not in edge]
