@@ -5,7 +5,8 @@ Each simulated run draws 240 tokens that really come from the reference's distri
 sees) and runs `rescore.analyse` on them at alpha = 0.01 (`rescore.null_false_alarms`). The
 rate of BROKEN verdicts must stay near alpha or below (Bonferroni over KS, the directed test
 and the per-prefix tests); each batch prints its count and its 95 % Clopper-Pearson interval
-(`scipy.stats.binomtest`), then all batches together.
+(`scipy.stats.binomtest`), then all batches together. Exit 1 when the alarms of all batches
+exceed the binomial(runs, alpha) 99.9 % quantile (the unit suite's check, on 40 runs there).
 
     .venv/bin/python benchmarks/bench_rescore_null.py [--runs 2000] [--batches 3]
 """
@@ -48,10 +49,24 @@ def main(argv: list[str] | None = None) -> int:
         f"all: {k}/{n} = {k / n:.2%} [{ci.low:.2%}, {ci.high:.2%}] at alpha = {args.alpha} "
         f"(one-sided p that the rate exceeds alpha: {above:.2g})"
     )
+    limit = int(stats.binom.ppf(0.999, n, args.alpha))
+    passed = k <= limit
+    print(f"binomial check: {k} <= {limit} (99.9 % quantile): {'pass' if passed else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batches": rows, "alarms": k, "runs": n, "low": ci.low, "high": ci.high}, f)
-    return 0
+            json.dump(
+                {
+                    "batches": rows,
+                    "alarms": k,
+                    "runs": n,
+                    "low": ci.low,
+                    "high": ci.high,
+                    "limit": limit,
+                    "passed": passed,
+                },
+                f,
+            )
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

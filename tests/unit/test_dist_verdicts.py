@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,10 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
+import calibration
+from closed_form import Bend, draw
 from specaudit import distribution, fixtures, stats
-from specaudit.distribution import analysis
+from specaudit.distribution import analysis, sequential
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES
 from specaudit.distribution.truth import encode_ids, encode_text, stratum_key
 from specaudit.outcome import Outcome
@@ -33,34 +34,10 @@ SPEC = fixtures.default_spec()
 WL = distribution.make_workload(SPEC)
 CTX = fixtures.context_spec()
 CWL = distribution.make_workload(CTX)
-Bend = Callable[[str, np.ndarray], np.ndarray]
-
-
-def draw(
-    spec: fixtures.FixtureSpec,
-    wl: distribution.Workload,
-    n: int,
-    rng: np.random.Generator,
-    bend: Bend | None = None,
-) -> list[distribution.Sample]:
-    """n samples from the closed form (optionally bent by `bend(prefix, p)`), vectorised over
-    the distinct prefixes: one uniform per sample and position, inverse cdf per prefix."""
-    truth = distribution.Truth(spec, wl)
-    texts = np.array([""] * n, dtype=object)
-    for _ in range(wl.tokens):
-        u = rng.random(n)
-        out = np.empty(n, dtype=object)
-        for prefix in sorted(set(texts)):
-            idx = np.flatnonzero(texts == prefix)
-            p = truth.next(prefix)
-            if bend is not None:
-                p = bend(prefix, p)
-            cum = np.cumsum(p)
-            cum[-1] = 1.0
-            picks = np.searchsorted(cum, u[idx], side="right")
-            out[idx] = [prefix + truth.labels[j] for j in picks]
-        texts = out
-    return [distribution.Sample(i + 1, str(t)) for i, t in enumerate(texts)]
+TRUTH = distribution.Truth(SPEC, WL)
+# Monte-Carlo p-values that stop at this many hits (as sequential mode's looks do): a p-value
+# near a test's level gets the full draws, one far above it stops within a few hundred
+STOP = sequential.MC_STOP_HITS
 
 
 def fraction(results: list[distribution.EngineResult], v: Verdict) -> int:
@@ -104,7 +81,7 @@ def test_conditional_tv_bound_covers_the_prefix_averaged_tv() -> None:
 
 
 def test_preserved_names_what_it_certifies() -> None:
-    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)))
+    res = distribution.analyze(SPEC, WL, draw(TRUTH, 1500, np.random.default_rng(1)))
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert "prefix-averaged next-token TV" in res.reason and "joint TV" in res.reason
     positions = [t for t in res.tests if t.kind == "position"]
@@ -157,7 +134,10 @@ def test_the_marginal_preserving_reroute_is_not_certified_on_its_marginals(n: in
         marg[1] += truth.next("")[truth.index[prefix]] * bend(prefix, truth.next(prefix))
     assert np.allclose(marg[0], marg[1], atol=1e-12)
     rng = np.random.default_rng(n)
-    results = [distribution.analyze(SPEC, WL, draw(SPEC, WL, n, rng, bend)) for _ in range(30)]
+    results = [
+        distribution.analyze(SPEC, WL, draw(TRUTH, n, rng, bend), mc_stop_hits=STOP)
+        for _ in range(30)
+    ]
     for r in results:
         pos2 = next(t for t in r.tests if t.name == "position 2")
         assert pos2.tv_bound is not None
@@ -197,7 +177,7 @@ def test_leakage_at_the_reported_minimum_is_detected(
 ) -> None:
     n, alpha = 1000, 0.01
     truth = distribution.Truth(spec, wl)
-    null = distribution.analyze(spec, wl, draw(spec, wl, n, np.random.default_rng(5)), alpha=alpha)
+    null = distribution.analyze(spec, wl, draw(truth, n, np.random.default_rng(5)), alpha=alpha)
     power = null.directed
     assert power is not None and power.lambda_ is not None and power.tv is not None
     assert power.n == n and power.level == pytest.approx(alpha / len(null.tests))
@@ -207,7 +187,8 @@ def test_leakage_at_the_reported_minimum_is_detected(
     rng = np.random.default_rng(6)
     bend = _leak(truth, power.lambda_)
     results = [
-        distribution.analyze(spec, wl, draw(spec, wl, n, rng, bend), alpha=alpha) for _ in range(40)
+        distribution.analyze(spec, wl, draw(truth, n, rng, bend), alpha=alpha, mc_stop_hits=STOP)
+        for _ in range(40)
     ]
     # the computed power is 80 %: at least the binomial(40, 0.8) 0.1 % quantile
     assert fraction(results, Verdict.BROKEN) >= st.binom.ppf(0.001, 40, 0.8)
@@ -280,7 +261,7 @@ def _likely(prefix: str, tokens: int = 4) -> str:
 def test_a_token_of_probability_zero_is_broken_with_evidence(
     text: str, position: int, token: str
 ) -> None:
-    samples = _with(draw(SPEC, WL, 200, np.random.default_rng(8)), 16, text)
+    samples = _with(draw(TRUTH, 200, np.random.default_rng(8)), 16, text)
     res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
     assert res.verdict is Verdict.BROKEN and res.impossible == 1
     pos = next(t for t in res.tests if t.position == position and t.kind == "position")
@@ -323,7 +304,7 @@ class _ScriptedEngine:
 
     def __init__(self, script: dict[int, str], n: int) -> None:
         self.script = script
-        self.base = {s.seed: s.text for s in draw(SPEC, WL, n, np.random.default_rng(9))}
+        self.base = {s.seed: s.text for s in draw(TRUTH, n, np.random.default_rng(9))}
 
     async def sample(self, seed: int) -> distribution.Sample:
         await asyncio.sleep(0)
@@ -385,35 +366,21 @@ def test_a_server_answer_keeps_its_ids_and_only_malformed_answers_are_errors(
 
 
 def test_false_alarm_rate_of_the_new_rule_stays_at_most_alpha() -> None:
-    """300 correct engines (150 per fixture kind, 400 samples each) at alpha 0.05: BROKEN at
-    most as often as a binomial(300, 0.05) allows (99.9 % quantile). Fewer Monte-Carlo draws
-    than the default keep it fast; they keep the p-values valid."""
-    alpha = 0.05
-    broken = 0
-    for spec, wl, seed in ((SPEC, WL, 100), (CTX, CWL, 200)):
-        rng = np.random.default_rng(seed)
-        for _ in range(150):
-            res = distribution.analyze(
-                spec, wl, draw(spec, wl, 400, rng), alpha=alpha, mc_draws=500
-            )
-            broken += res.verdict is Verdict.BROKEN
-    assert broken <= st.binom.ppf(0.999, 300, alpha), broken
+    """Correct engines (400 samples each, both fixture kinds) at alpha 0.05: BROKEN at most as
+    often as a binomial(runs, 0.05) allows (99.9 % quantile). 12 runs per kind here catch a
+    grossly miscalibrated rule; benchmarks/bench_calibration.py dist-null measures the rate
+    over 150 per kind (docs/dist.md, "Calibration")."""
+    rate = calibration.dist_false_alarms(12)
+    assert rate.runs == 24 and rate.passed, rate.line()
 
 
 def test_sequential_false_alarms_stay_at_most_alpha_with_the_split() -> None:
-    """The sequential BROKEN rule spends alpha twice (e-process alpha/2, looks alpha/2): 60
-    correct engines per fixture kind, up to 200 samples each (looks at 25, 50, 100, 200),
-    alpha 0.1: BROKEN at most as often as binomial(120, 0.1) allows (99.9 % quantile). Few
-    Monte-Carlo draws keep it fast and the p-values valid."""
-    alpha, runs, broken = 0.1, 60, 0
-    for spec, wl, seed in ((SPEC, WL, 300), (CTX, CWL, 400)):
-        rng = np.random.default_rng(seed)
-        for _ in range(runs):
-            verdict, _ = distribution.replay_sequential(
-                spec, wl, draw(spec, wl, 200, rng), alpha=alpha, tolerance=1e-9, mc_draws=200
-            )
-            broken += verdict is Verdict.BROKEN
-    assert broken <= st.binom.ppf(0.999, 2 * runs, alpha), broken
+    """The sequential BROKEN rule spends alpha twice (e-process alpha/2, looks alpha/2): correct
+    engines, up to 200 samples each (looks at 25, 50, 100, 200), alpha 0.1: BROKEN at most as
+    often as binomial(runs, 0.1) allows (99.9 % quantile). 8 runs per kind here; the benchmark's
+    sequential-null runs 60 per kind."""
+    rate = calibration.sequential_false_alarms(8)
+    assert rate.runs == 16 and rate.passed, rate.line()
 
 
 def test_sequential_catches_draft_leakage_sooner_than_the_omnibus_e_process() -> None:
@@ -430,7 +397,7 @@ def test_sequential_catches_draft_leakage_sooner_than_the_omnibus_e_process() ->
     rng = np.random.default_rng(17)
     ours, omni = [], []
     for _ in range(6):
-        samples = draw(SPEC, WL, 3000, rng, bend)
+        samples = draw(TRUTH, 3000, rng, bend)
         verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=1e-3, tolerance=1e-9)
         ours.append(res.samples_used if verdict is Verdict.BROKEN else 10**6)
         e = stats.EProcess()
@@ -468,32 +435,32 @@ def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
     rng = np.random.default_rng(12)
     seen: Counter[Verdict] = Counter()
     for _ in range(10):
-        samples = draw(SPEC, WL, 2000, rng, bend)
+        samples = draw(TRUTH, 2000, rng, bend)
         verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)
         seen[verdict] += 1
         assert verdict is not Verdict.PRESERVED
         if verdict is Verdict.WITHIN_TOLERANCE:
             assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.15
     assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 10
-    fixed = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1000, rng, bend))
+    fixed = distribution.analyze(SPEC, WL, draw(TRUTH, 1000, rng, bend))
     assert fixed.verdict is Verdict.BROKEN
 
 
 def test_inconclusive_says_how_many_samples_would_do() -> None:
-    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 200, np.random.default_rng(13)))
+    res = distribution.analyze(SPEC, WL, draw(TRUTH, 200, np.random.default_rng(13)))
     assert res.verdict is Verdict.INCONCLUSIVE
     assert res.tv_bound is not None and res.tv_bound > 0.15
     assert res.samples_needed == math.ceil(200 * (res.tv_bound / 0.15) ** 2)
     assert f"about {res.samples_needed} samples" in res.reason
     more = distribution.analyze(
-        SPEC, WL, draw(SPEC, WL, res.samples_needed, np.random.default_rng(14))
+        SPEC, WL, draw(TRUTH, res.samples_needed, np.random.default_rng(14))
     )  # the estimate from 1/sqrt(n) scaling is about right
     assert more.tv_bound is not None and more.tv_bound <= 0.165
 
 
 def test_within_tolerance_is_a_pass_of_its_own(tmp_path: Path) -> None:
     good = distribution.analyze(
-        SPEC, WL, draw(SPEC, WL, 1500, np.random.default_rng(1)), engine="good"
+        SPEC, WL, draw(TRUTH, 1500, np.random.default_rng(1)), engine="good"
     )
     seq = distribution.measure(_ScriptedEngine({}, 3000), SPEC, WL, range(1, 3001), sequential=True)
     assert seq.verdict is Verdict.WITHIN_TOLERANCE, seq.reason
@@ -513,7 +480,7 @@ def test_within_tolerance_is_a_pass_of_its_own(tmp_path: Path) -> None:
 def test_within_tolerance_states_the_e_value_and_threshold_that_decided() -> None:
     """The reason prints the averaged e-value against 2/alpha, the pair the BROKEN rule uses,
     not the omnibus e-value against 1/alpha."""
-    samples = draw(SPEC, WL, 3000, np.random.default_rng(21))
+    samples = draw(TRUTH, 3000, np.random.default_rng(21))
     seq = distribution.sequential.Sequential(
         distribution.Truth(SPEC, WL), WL, 0.01, 0.15, len(samples), mc_draws=500
     )

@@ -62,7 +62,7 @@ from hypothesis import strategies as st
 
 from specaudit.proxy import fast, http1, wire
 
-EXAMPLES = 400  # per property in the suite
+EXAMPLES = 200  # per property in the suite
 MAX_BODY = 4 << 20
 
 CI = settings(

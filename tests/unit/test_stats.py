@@ -257,8 +257,8 @@ def test_e_process_false_alarms_stay_below_alpha() -> None:
     runs = 300
     for _ in range(runs):
         e = stats.EProcess()
-        for _ in range(300):
-            e.update("ctx", P3, int(rng.choice(3, p=P3)))
+        for x in rng.choice(3, size=300, p=P3):
+            e.update("ctx", P3, int(x))
             if e.rejects(alpha):
                 crossed += 1
                 break
@@ -296,8 +296,7 @@ def test_directed_e_process_beats_the_omnibus_on_leakage_toward_the_draft() -> N
     for _ in range(20):
         d, o = stats.DirectedEProcess(), stats.EProcess()
         nd = no = None
-        for n in range(1, 5001):
-            x = int(rng.choice(3, p=leak))
+        for n, x in enumerate(rng.choice(3, size=5000, p=leak).tolist(), 1):
             if d.update(_score(x)) >= math.log(1e3) and nd is None:
                 nd = n
             o.update(n % 12, P3, x)
