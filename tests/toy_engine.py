@@ -9,6 +9,7 @@ from collections.abc import Generator
 
 import numpy as np
 
+import closed_form
 from specaudit.distribution import Sample, Truth, Workload
 from specaudit.distribution.registry import (
     EngineEntry,
@@ -36,12 +37,11 @@ class ToyEngine:
         self.mode = mode
 
     async def sample(self, seed: int) -> Sample:
-        rng = np.random.default_rng(seed)
+        if self.mode == "exact":
+            return Sample(seed, closed_form.text(self.truth, seed))
         text = ""
         for _ in range(self.tokens):
-            p = self.truth.next(text)
-            i = int(np.argmax(p)) if self.mode == "greedy" else int(rng.choice(len(p), p=p))
-            text += self.truth.labels[i]
+            text += self.truth.labels[int(np.argmax(self.truth.next(text)))]
         return Sample(seed, text)
 
     async def aclose(self) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from closed_form import draw
 from specaudit import distribution, fixtures, llama
 from specaudit.cli import common, dist_cmd
 from specaudit.distribution import coverage, runner
@@ -395,14 +396,10 @@ def test_the_terminal_view_has_one_summary_and_the_detail_lines(
     spec = fixtures.default_spec()
     wl = distribution.make_workload(spec)
     truth = distribution.Truth(spec, wl)
-    rng = np.random.default_rng(3)
-    samples = []
-    for seed in range(1, 401):
-        text = ""
-        for _ in range(wl.tokens):
-            p = truth.next(text)
-            text += truth.labels[int(rng.choice(len(p), p=p))]
-        samples.append(distribution.Sample(seed, text, drafted=3, accepted=2))
+    samples = [
+        distribution.Sample(s.seed, s.text, drafted=3, accepted=2)
+        for s in draw(truth, 400, np.random.default_rng(3))
+    ]
     e = distribution.analyze(spec, wl, samples, engine="spec")
     e.path = "rejection"
     res = distribution.DistResult("fixture", tmp_path, {}, wl, 0.01, 0.15, False, [e])

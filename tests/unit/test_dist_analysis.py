@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from closed_form import Bend, draw
 from specaudit import distribution, fixtures
 from specaudit.outcome import Outcome
 from specaudit.stats import Verdict
@@ -21,29 +22,12 @@ SPEC = fixtures.default_spec()
 WL = distribution.make_workload(SPEC)
 
 
-Bend = Callable[[str, np.ndarray], np.ndarray]
+TRUTH = distribution.Truth(SPEC, WL)
 
 
-def draw(
-    spec: fixtures.FixtureSpec,
-    wl: distribution.Workload,
-    n: int,
-    seed: int | np.random.Generator,
-    bend: Bend | None = None,
-) -> list[distribution.Sample]:
-    """Samples drawn from the closed form itself (optionally bent by `bend(prefix, p)`)."""
-    truth = distribution.Truth(spec, wl)
-    rng = np.random.default_rng(seed)
-    out: list[distribution.Sample] = []
-    for i in range(n):
-        text = ""
-        for _ in range(wl.tokens):
-            p = truth.next(text)
-            if bend is not None:
-                p = bend(text, p)
-            text += truth.labels[int(rng.choice(len(p), p=p))]
-        out.append(distribution.Sample(i + 1, text))
-    return out
+def _draw(n: int, seed: int, bend: Bend | None = None) -> list[distribution.Sample]:
+    """n samples of the closed form from a fresh generator seeded `seed`."""
+    return draw(TRUTH, n, np.random.default_rng(seed), bend)
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,7 +58,7 @@ def test_marginals_agree_with_the_joint(t: int) -> None:
 
 
 def test_samples_from_the_target_are_preserved() -> None:
-    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="closed form")
+    res = distribution.analyze(SPEC, WL, _draw(1500, 1), engine="closed form")
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert [t.name for t in res.tests] == [
         "position 1", "position 2", "position 3", "position 4", "joint 1-3", "draft direction",
@@ -86,7 +70,7 @@ def test_samples_from_the_target_are_preserved() -> None:
 
 
 def test_too_few_samples_are_inconclusive() -> None:
-    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2))
+    res = distribution.analyze(SPEC, WL, _draw(60, 2))
     assert res.verdict is Verdict.INCONCLUSIVE, res.reason
     assert "more samples" in res.reason
 
@@ -101,7 +85,7 @@ def _always_e_after_f(prefix: str, p: np.ndarray) -> np.ndarray:
 
 
 def test_the_example_programs_bias_is_broken() -> None:
-    res = distribution.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+    res = distribution.analyze(SPEC, WL, _draw(300, 3, _always_e_after_f))
     assert res.verdict is Verdict.BROKEN
     pos2 = res.tests[1]
     assert pos2.rejected and pos2.gof.p_value < 1e-30
@@ -110,7 +94,7 @@ def test_the_example_programs_bias_is_broken() -> None:
 
 
 def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
-    samples = draw(SPEC, WL, 5, seed=4)
+    samples = _draw(5, 4)
     # 'a' has probability 0 as the first token after bcdbc (top-k 3 keeps d, e, f)
     samples[0] = distribution.Sample(samples[0].seed, "a" + samples[0].text[1:])
     res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
@@ -120,7 +104,7 @@ def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
 
 
 def test_drafted_and_accepted_are_summed() -> None:
-    s = [distribution.Sample(i, t.text, 3, 1) for i, t in enumerate(draw(SPEC, WL, 20, seed=5))]
+    s = [distribution.Sample(i, t.text, 3, 1) for i, t in enumerate(_draw(20, 5))]
     res = distribution.analyze(SPEC, WL, s)
     assert (res.drafted, res.accepted) == (60, 20)
 
@@ -138,14 +122,14 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
     truth = distribution.Truth(SPEC, WL)
     seq = distribution.Sequential(truth, WL, 1e-3, 0.15, 1000)
     n = 0
-    for s in draw(SPEC, WL, 1000, seed=6, bend=_always_e_after_f):
+    for s in _draw(1000, 6, _always_e_after_f):
         n += 1
         if seq.add(s):
             break
     assert seq.verdict is Verdict.BROKEN and seq.decided_by in ("e-value", "fixed-look")
     assert n <= 50
     seq = distribution.Sequential(truth, WL, 0.01, 0.15, 3000)
-    for s in draw(SPEC, WL, 3000, seed=7):
+    for s in _draw(3000, 7):
         if seq.add(s):
             break
     # an early stop certifies the tolerance only: WITHIN TOLERANCE, never PRESERVED
@@ -154,9 +138,9 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
 
 
 def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
-    good = distribution.analyze(SPEC, WL, draw(SPEC, WL, 1500, seed=1), engine="good")
-    few = distribution.analyze(SPEC, WL, draw(SPEC, WL, 60, seed=2), engine="few")
-    bad = distribution.analyze(SPEC, WL, draw(SPEC, WL, 300, seed=3, bend=_always_e_after_f))
+    good = distribution.analyze(SPEC, WL, _draw(1500, 1), engine="good")
+    few = distribution.analyze(SPEC, WL, _draw(60, 2), engine="few")
+    bad = distribution.analyze(SPEC, WL, _draw(300, 3, _always_e_after_f))
 
     def result(*engines: distribution.EngineResult) -> distribution.DistResult:
         return distribution.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, False, list(engines))
@@ -168,10 +152,8 @@ def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
 
 
 def test_markdown_and_plot(tmp_path: Path) -> None:
-    good = distribution.analyze(SPEC, WL, draw(SPEC, WL, 400, seed=8), engine="good")
-    bad = distribution.analyze(
-        SPEC, WL, draw(SPEC, WL, 400, seed=9, bend=_always_e_after_f), engine="bad"
-    )
+    good = distribution.analyze(SPEC, WL, _draw(400, 8), engine="good")
+    bad = distribution.analyze(SPEC, WL, _draw(400, 9, _always_e_after_f), engine="bad")
     res = distribution.DistResult(
         "x", tmp_path, {}, WL, 0.01, 0.15, False, [good, bad]
     )  # fmt: skip
@@ -342,7 +324,7 @@ def test_cli_help_documents_exit_codes(cli: CliFn) -> None:
 
 def test_impossible_tokens_are_counted_once_each() -> None:
     truth = distribution.Truth(SPEC, WL)
-    samples = draw(SPEC, WL, 50, seed=10)
+    samples = _draw(50, 10)
     text = "a"  # impossible first token, then a possible continuation
     while len(text) < 4:
         text += truth.labels[int(np.argmax(truth.next(text)))]

@@ -429,19 +429,20 @@ def _tilt(truth: distribution.Truth, tv: float) -> Bend:
 
 def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
     """Per-context TV 0.05 (the fixed test at N = 1000 rejects it): sequential mode used to stop
-    at PRESERVED (35 of 40 runs); now an early stop is WITHIN TOLERANCE, never PRESERVED."""
+    at PRESERVED (35 of 40 runs: in none of these 5 only 1 time in 30,000); now an early stop
+    is WITHIN TOLERANCE, never PRESERVED."""
     truth = distribution.Truth(SPEC, WL)
     bend = _tilt(truth, 0.05)
     rng = np.random.default_rng(12)
     seen: Counter[Verdict] = Counter()
-    for _ in range(10):
+    for _ in range(5):
         samples = draw(TRUTH, 2000, rng, bend)
         verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)
         seen[verdict] += 1
         assert verdict is not Verdict.PRESERVED
         if verdict is Verdict.WITHIN_TOLERANCE:
             assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.15
-    assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 10
+    assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 5
     fixed = distribution.analyze(SPEC, WL, draw(TRUTH, 1000, rng, bend))
     assert fixed.verdict is Verdict.BROKEN
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+import closed_form
 from specaudit import distribution, fixtures
 from specaudit.distribution import Sample, Truth, Workload
 from specaudit.distribution.registry import EngineEntry, RunContext, Unit, register, unregister
@@ -26,15 +26,9 @@ class _Exact:
 
     def __init__(self, spec: fixtures.FixtureSpec, workload: Workload) -> None:
         self.truth = Truth(spec, workload)
-        self.tokens = workload.tokens
 
     async def sample(self, seed: int) -> Sample:
-        rng = np.random.default_rng(seed)
-        text = ""
-        for _ in range(self.tokens):
-            p = self.truth.next(text)
-            text += self.truth.labels[int(rng.choice(len(p), p=p))]
-        return Sample(seed, text)
+        return Sample(seed, closed_form.text(self.truth, seed))
 
     async def aclose(self) -> None:
         return None
