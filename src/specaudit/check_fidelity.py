@@ -18,8 +18,8 @@ from specaudit import fidelity
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import NextToken
-from specaudit.rescore.reference import (
+from specaudit.reference import (
+    NextToken,
     ServerReference,
     ask_next_token,
     completion_body,

@@ -13,7 +13,7 @@ answers for the same prefix (other batch sizes, other slots, the closed form nex
 and `tolerance` turns their largest spread into the bound (docs/fidelity.md, "The tolerance").
 
 The reference is anything with ``next_token(ids) -> NextToken``: the llama-server reference
-client (`specaudit.rescore.reference`) or, on the fixtures, `FixtureReference`, the closed form,
+client (`specaudit.reference`) or, on the fixtures, `FixtureReference`, the closed form,
 so fidelity runs without a reference server there.
 """
 
@@ -40,8 +40,7 @@ from specaudit.logprobs import (
     from_response,
     from_stream,
 )
-from specaudit.rescore.records import NextToken
-from specaudit.rescore.reference import ask_next_token, sampling_fields
+from specaudit.reference import NextToken, ask_next_token, sampling_fields
 
 Mode = Literal[
     "pre", "post"
@@ -554,7 +553,7 @@ def request_body(
     n_probs: int,
 ) -> dict[str, Any]:
     """The request for one probe: `n_probs` candidates per token and the sampler fields the
-    reference is asked with (`specaudit.rescore.reference.sampling_fields`: the same chain,
+    reference is asked with (`specaudit.reference.sampling_fields`: the same chain,
     settings and ``ignore_eos``, so both mean the same distribution; llama-server takes them on
     both endpoints)."""
     common: dict[str, Any] = {
@@ -668,7 +667,7 @@ def server_noise_floor(
     """The noise floor of a plain server: for each prefix, its answers when the same request
     comes `b` at a time for each `b` of `batches` (the server batches them across its slots),
     plus `extra`'s answer (e.g. the closed form) when given. Each answer is the reference's own
-    request (`specaudit.rescore.reference.ask_next_token`), the prefix in one batch (no prompt
+    request (`specaudit.reference.ask_next_token`), the prefix in one batch (no prompt
     cache); `n_probs` must cover the sampler's support."""
     groups = []
     for ids in prefixes:

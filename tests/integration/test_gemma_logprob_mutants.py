@@ -3,7 +3,7 @@ but wrong against a plain Gemma reference server, while `specaudit.check` calls 
 
 Every /completion token (pre- and post-sampling, streamed and not: `check_fidelity.KINDS`) is
 classified against the reference's answer for its exact prefix
-(`rescore.reference.ServerReference`), within the tolerance measured from the reference's own
+(`reference.ServerReference`), within the tolerance measured from the reference's own
 spread on the same sampler settings (`check_fidelity.measure_floor`: batch sizes 1, 2, 4 and
 the last 1-16 tokens as one batch on a cached prefix), and every wrong call confirmed against
 the spread at its own prefix (`check_fidelity.confirm_wrong`). One reference server serves the
@@ -51,8 +51,8 @@ from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
+from specaudit.reference import ServerReference
 from specaudit.report import md_table
-from specaudit.rescore.reference import ServerReference
 
 # a test may build its mutant (an incremental rebuild, minutes on 2 busy cores, after waiting
 # for the build lock) and measure a noise floor before it probes anything

@@ -11,7 +11,7 @@ from __future__ import annotations
 from specaudit import fidelity
 from specaudit.check_fidelity import KINDS
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.reference import completion_body, sampling_fields
+from specaudit.reference import completion_body, sampling_fields
 
 SAMPLER = SamplerSettings(top_k=40, top_p=0.9, min_p=0.05, temperature=0.7)
 DISTRIBUTION_KEYS = set(sampling_fields(SAMPLER))
