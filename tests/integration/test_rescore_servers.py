@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specaudit import distribution, fixtures, llama
-from specaudit.fidelity import FixtureReference
+from specaudit.check.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer

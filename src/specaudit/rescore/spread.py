@@ -4,7 +4,7 @@ its same-model probe (`noise_spread`, `probe_difference`) and its top-k boundary
 
 Why in `rescore` and not with the reference client (`specaudit.reference`): these are the
 re-scored run's rules about what a disagreement means; the client only asks and parses. The
-fidelity check measures its own floor (`specaudit.fidelity`).
+fidelity check measures its own floor (`specaudit.check.fidelity`).
 """
 
 from __future__ import annotations
