@@ -16,8 +16,8 @@ from aiohttp import web
 
 import fakes
 from specaudit import fixtures
+from specaudit.check.fidelity import FixtureReference
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES, DistError
-from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER
 from specaudit.rescore import engines
 from specaudit.rescore.records import RescoreError

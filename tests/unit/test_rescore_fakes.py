@@ -13,11 +13,12 @@ import pytest
 from aiohttp import web
 
 import fakes
+from specaudit import reference as refmod
 from specaudit.client import ClientError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore import reference as refmod
-from specaudit.rescore import runner
-from specaudit.rescore.records import NextToken, RescoreError
+from specaudit.reference import NextToken, ReferenceUnusable
+from specaudit.rescore import runner, spread
+from specaudit.rescore.records import RescoreError
 from specaudit.rescore.sampling import OpenAISampler, Sample, ServerSampler
 
 SAMPLER = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0)
@@ -45,26 +46,26 @@ def _prepare(routes: dict[str, Any], sampler: SamplerSettings = SAMPLER) -> refm
 
 def test_a_speculating_reference_is_refused() -> None:
     routes = {"/slots": [{"id": 0, "speculative": True}], "/v1/models": META}
-    with pytest.raises(RescoreError, match="speculates"):
+    with pytest.raises(ReferenceUnusable, match="speculates"):
         _prepare(routes)
 
 
 def test_a_reference_without_slots_is_refused() -> None:
-    with pytest.raises(RescoreError, match="prove the reference does not speculate"):
+    with pytest.raises(ReferenceUnusable, match="prove the reference does not speculate"):
         _prepare({"/v1/models": META})
 
 
 def test_a_reference_that_is_not_a_llama_server_is_refused() -> None:
-    with pytest.raises(RescoreError, match="not a llama-server"):
+    with pytest.raises(ReferenceUnusable, match="not a llama-server"):
         _prepare(
             {"/slots": [{"id": 0, "speculative": False}], "/v1/models": {"data": [{"id": "x"}]}}
         )
 
 
 def test_top_k_beyond_what_a_reference_returns_is_refused() -> None:
-    with pytest.raises(RescoreError, match="cannot cover the sampler's support"):
+    with pytest.raises(ReferenceUnusable, match="cannot cover the sampler's support"):
         refmod.support_size(SamplerSettings(top_k=5000, temperature=1.0), 262144)
-    with pytest.raises(RescoreError, match="whole vocabulary"):
+    with pytest.raises(ReferenceUnusable, match="whole vocabulary"):
         refmod.support_size(SamplerSettings(top_k=0, temperature=1.0), 262144)
     assert refmod.support_size(SamplerSettings(top_k=0, temperature=1.0), 11) == 11
     assert refmod.support_size(SamplerSettings(top_k=40, temperature=1.0), 262144) == 40
@@ -87,7 +88,7 @@ def test_a_distribution_that_does_not_cover_the_support_is_refused() -> None:
                 await ref.prepare()
                 await ref.next_token([1, 2])
 
-    with pytest.raises(RescoreError, match="does not cover the sampler's support"):
+    with pytest.raises(ReferenceUnusable, match="does not cover the sampler's support"):
         asyncio.run(go())
 
 
@@ -340,12 +341,12 @@ def test_a_token_past_the_margin_is_at_the_edge_only_if_its_own_prefix_says_so()
     wobble = NextToken(
         probs={1: 0.5, 2: 0.3, 3: 0.2}, logprobs={1: -1.2, 2: -1.5, 3: -2.0, 4: -2.3}
     )
-    assert not refmod.at_the_edge(4, [whole], 1e-3)  # 0.3 nats past the 3rd, no other shape
-    assert refmod.at_the_edge(4, [whole, swapped], 1e-3)  # in the top 3 of another batch shape
-    assert refmod.logprob_spread([whole, wobble]) == pytest.approx(0.2)
-    assert refmod.at_the_edge(4, [whole, wobble], 1e-3)  # 0.3 past, within twice a 0.2 spread
-    assert not refmod.at_the_edge(5, [whole, swapped, wobble], 1e-3)  # 2 nats past: impossible
-    assert refmod.at_the_edge(5, [whole], 2.5)  # the run's own margin still applies
+    assert not spread.at_the_edge(4, [whole], 1e-3)  # 0.3 nats past the 3rd, no other shape
+    assert spread.at_the_edge(4, [whole, swapped], 1e-3)  # in the top 3 of another batch shape
+    assert spread.logprob_spread([whole, wobble]) == pytest.approx(0.2)
+    assert spread.at_the_edge(4, [whole, wobble], 1e-3)  # 0.3 past, within twice a 0.2 spread
+    assert not spread.at_the_edge(5, [whole, swapped, wobble], 1e-3)  # 2 nats past: impossible
+    assert spread.at_the_edge(5, [whole], 2.5)  # the run's own margin still applies
 
 
 def _utf8_server(held_seeds: int, seeds: list[int]) -> Any:
@@ -391,7 +392,7 @@ def test_a_draw_held_back_inside_a_utf8_character_is_asked_again_with_another_se
 
 def test_a_prefix_whose_every_draw_is_held_back_is_one_clear_error() -> None:
     seeds: list[int] = []
-    held = pytest.raises(RescoreError, match="ends inside a UTF-8 character")
+    held = pytest.raises(ReferenceUnusable, match="ends inside a UTF-8 character")
     with fakes.serve(_utf8_server(10**6, seeds)) as s, held:
         refmod.ask_next_token(s.url, [4, 5], SAMPLER, 3)
     assert seeds == list(range(refmod.DRAW_SEEDS))

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special, stats
 
-from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.reference import NextToken
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
 DEFAULT_ALPHA = 0.01

@@ -38,12 +38,13 @@ from specaudit.distribution.truth import encode_text
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
 from specaudit.outcome import Outcome
+from specaudit.reference import Reference, start_reference
 from specaudit.rescore import runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.fixture import draft_favourite, text_of
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.reference import Reference, probe_difference, start_reference
 from specaudit.rescore.sampling import Sample
+from specaudit.rescore.spread import probe_difference
 
 if TYPE_CHECKING:
     from specaudit.distribution.engines import Engine
@@ -237,7 +238,7 @@ def run(req: EngineRescoreRequest, progress: EngineProgressFn | None = None) -> 
         return built[0]
 
     ctx = registry.RunContext(binaries)
-    with _reference(req) as ref_url:
+    with runner.reference_refusals(), _reference(req) as ref_url:
         out = EngineRescoreResult(fixture=dist.fixture.spec.name, reference=ref_url)
         for name in dist.engines:
             units = registry.get(name).build(dist, ctx)

@@ -9,8 +9,9 @@ nothing already drawn (the result keeps every sample and says how many tokens we
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,24 +19,23 @@ from specaudit import validate
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.outcome import Outcome
-from specaudit.rescore import analysis
-from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.records import FavouriteFn, NextToken, RescoreError, TokenDraw
-from specaudit.rescore.reference import (
-    PROBE_TOLERANCE,
+from specaudit.reference import (
     ModelIdentity,
+    NextToken,
     Reference,
+    ReferenceUnusable,
     aread_next_token,
-    at_the_edge,
     completion_body,
     identity_from_models,
     incremental_answers,
-    noise_spread,
-    probe_difference,
     start_reference,
     support_size,
 )
+from specaudit.rescore import analysis
+from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
+from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
 from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSampler
+from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
 ENGINES = ("server", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
@@ -245,15 +245,27 @@ class RescoreResult:
         return self.outcome.exit_code
 
 
+@contextlib.contextmanager
+def reference_refusals() -> Iterator[None]:
+    """The reference client's refusals (`ReferenceUnusable`: it speculates, it is another model,
+    it cannot cover the support) as the run's own one-line `RescoreError`: whichever part
+    refuses, a run that cannot be made is a RescoreError."""
+    try:
+        yield
+    except ReferenceUnusable as e:
+        raise RescoreError(str(e)) from None
+
+
 def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResult:
     """Run `req`, starting (and always stopping) a reference server when given a model."""
-    if req.self_check:
-        return asyncio.run(_run_self(req, progress))
-    if req.reference_model is not None:
-        with start_reference(req.reference_model, parallel=req.concurrency) as url:
-            return asyncio.run(run_against(req, url, progress))
-    assert req.reference_url is not None
-    return asyncio.run(run_against(req, req.reference_url, progress))
+    with reference_refusals():
+        if req.self_check:
+            return asyncio.run(_run_self(req, progress))
+        if req.reference_model is not None:
+            with start_reference(req.reference_model, parallel=req.concurrency) as url:
+                return asyncio.run(run_against(req, url, progress))
+        assert req.reference_url is not None
+        return asyncio.run(run_against(req, req.reference_url, progress))
 
 
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
@@ -450,7 +462,7 @@ async def _sample_and_rescore(
                 fav = req.favourite(prefix) if req.favourite else None
                 key = f"{p}:" + ",".join(map(str, s.ids[:i]))
                 out.append(TokenDraw(seed, p, i, key, tok, nt, draft_favourite=fav))
-        except (ClientError, RescoreError) as e:
+        except (ClientError, ReferenceUnusable, RescoreError) as e:
             if not ref_failed:
                 ref_failed.append(str(e))
             return
@@ -486,7 +498,6 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
     (post-sampling): no reference, so it needs nothing but the engine. It tests whether the
     engine samples what it says it samples; tokens it reported nothing for (placeholders) are
     counted, not tested."""
-    from specaudit.rescore.reference import support_size
 
     t0 = time.monotonic()
     ident = await _engine_identity(req)

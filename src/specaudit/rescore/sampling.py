@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import NextToken, RescoreError
-from specaudit.rescore.reference import COVERAGE, sampling_fields
+from specaudit.reference import COVERAGE, NextToken, sampling_fields
+from specaudit.rescore.records import RescoreError
 
 
 @dataclass(frozen=True)
