@@ -651,7 +651,7 @@ def test_memory_does_not_grow_while_sampling(sequential: bool) -> None:
 def test_run_never_materialises_the_seed_range(
     monkeypatch: pytest.MonkeyPatch, cache: Path
 ) -> None:
-    from specaudit.distribution import builtin, runner
+    from specaudit.distribution import llamacpp, runner
 
     seen: list[Any] = []
 
@@ -663,7 +663,7 @@ def test_run_never_materialises_the_seed_range(
         seen.append(seeds)
         raise SpecauditError("stop here")
 
-    monkeypatch.setattr(builtin, "ServerEngine", Eng)
+    monkeypatch.setattr(llamacpp, "ServerEngine", Eng)
     monkeypatch.setattr(runner, "measure", fake_measure)
     with pytest.raises(SpecauditError, match="stop here"):
         req = distribution.make_request(

@@ -1,8 +1,9 @@
 """Any engine registered in `dist` is re-scorable with no change in rescore: the toy engine
-(tests/toy_engine.py, registered here and nowhere in rescore) re-scored against a fake plain
-llama-server that answers with the fixture's closed form. The exact toy is PRESERVED, the
-greedy toy BROKEN, through the library and `specaudit rescore --dist-engine toy`; a sample's
-non-letter outcomes become impossible tokens; bad input is one line, exit 2."""
+(tests/toy_engine.py, installed as a package whose entry point names it, nowhere in
+specaudit) re-scored against a fake plain llama-server that answers with the fixture's closed
+form. The exact toy is PRESERVED, the greedy toy BROKEN, through the library and `specaudit
+rescore --dist-engine toy`; a sample's non-letter outcomes become impossible tokens; bad input
+is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_a_registered_engine_that_always_takes_the_argmax_is_broken(
     assert r.stats.ks_p < 1e-6
 
 
-def test_the_cli_re_scores_a_registered_engine_with_its_own_option(
+def test_the_cli_re_scores_an_engine_installed_as_a_package_with_its_own_option(
     toy: None, fixture_set: fixtures.FixtureSet, cli: CliFn
 ) -> None:
     code, help_out, _ = cli("rescore", "--help")

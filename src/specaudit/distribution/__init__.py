@@ -27,13 +27,15 @@ closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequent
 stopping), `engines` (what produces samples), `logflush` (llama-speculative's output read
 with llama.cpp's logger drained at exit), `driver` (sampling an engine, `measure`), `request`
 (`DistRequest`: every input checked once, by `make_request`), `registry` (engine name -> what
-it needs, its own options, how it is built from a request), `builtin` (the built-in engines'
-entries, `spawn_server`), `runner` (`run`: each engine built and measured), `coverage` (the
+it needs, its own options, how it is built from a request; built-in engines and plug-ins
+register through one hook), `llamacpp` (llama.cpp's engines: server, speculative-example, url;
+`spawn_server`), `inprocess` (the life cycle of an engine run in-process: truth check, then
+sampling), `runner` (`run`: each engine built and measured), `coverage` (the
 verification paths run and not covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
-from specaudit.distribution import builtin, hf, registry
+from specaudit.distribution import hf, llamacpp, registry
 from specaudit.distribution.analysis import Tally, analyze
 from specaudit.distribution.coverage import (
     NOT_COVERED,
@@ -152,8 +154,8 @@ __all__ = [
     "engine_error",
     "evidence_cell",
     "fixture_model",
-    "builtin",
     "hf",
+    "llamacpp",
     "load_fixture",
     "make_request",
     "make_workload",
