@@ -19,7 +19,7 @@ from specaudit.fixtures import SamplerSettings
 from specaudit.reference import NextToken, ReferenceUnusable
 from specaudit.rescore import runner, spread
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.sampling import OpenAISampler, Sample, ServerSampler
+from specaudit.rescore.sampling import OpenAISampler, SeededGeneration, ServerSampler
 
 SAMPLER = SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0)
 META = {"data": [{"id": "m", "meta": {"n_vocab": 11, "n_params": 100, "size": 10}}]}
@@ -232,11 +232,11 @@ class _FlakySampler:
     def __init__(self, error: ClientError, fails: int) -> None:
         self.error, self.fails, self.calls = error, fails, 0
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         self.calls += 1
         if self.calls <= self.fails:
             raise self.error
-        return Sample(seed, prompt, (1, 2))
+        return SeededGeneration(seed, prompt, (1, 2))
 
     async def aclose(self) -> None:
         pass

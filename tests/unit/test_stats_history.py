@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as st
 
 from specaudit import distribution, fixtures, stats
-from specaudit.distribution import analysis
+from specaudit.distribution.dependence import history_positions
 from specaudit.distribution.truth import stratum_key
 from specaudit.stats import Verdict
 
@@ -130,13 +130,13 @@ def test_correct_engines_keep_the_history_tests_within_alpha() -> None:
     results = _verdicts(None, 200, 32, alpha=alpha, mc_draws=500)
     limit = st.binom.ppf(0.999, 200, alpha)
     assert sum(r.verdict is Verdict.BROKEN for r in results) <= limit
-    for t in analysis.history_positions(distribution.Truth(SPEC, WL)):
+    for t in history_positions(distribution.Truth(SPEC, WL)):
         ps = [next(x for x in r.tests if x.name == f"history {t}").gof.p_value for r in results]
         assert sum(p < alpha for p in ps) <= limit, t
 
 
 def test_the_history_test_runs_only_where_contexts_pool() -> None:
     truth = distribution.Truth(SPEC, WL)
-    assert analysis.history_positions(truth) == (3, 4)  # position 2: one letter, its own pool
+    assert history_positions(truth) == (3, 4)  # position 2: one letter, its own pool
     one = distribution.make_workload(SPEC, positions=2, joint=2)
-    assert analysis.history_positions(distribution.Truth(SPEC, one)) == ()
+    assert history_positions(distribution.Truth(SPEC, one)) == ()

@@ -11,7 +11,8 @@ from scipy import stats as st
 from test_stats_history import SPEC, WL, simulate
 
 from specaudit import distribution, stats
-from specaudit.distribution import analysis
+from specaudit.distribution.counting import OutcomeCounts
+from specaudit.distribution.dependence import seed_pair_result
 from specaudit.stats import Verdict
 
 
@@ -44,8 +45,8 @@ def test_independent_seeds_keep_the_pair_test_within_alpha() -> None:
     truth = distribution.Truth(SPEC, WL)
     rng = np.random.default_rng(42)
     ps = [
-        analysis.seed_pair_result(
-            truth, analysis.Tally.of(simulate(truth, 400, rng), WL), mc_draws=500
+        seed_pair_result(
+            truth, OutcomeCounts.of(simulate(truth, 400, rng), WL), mc_draws=500
         ).p_value
         for _ in range(300)
     ]
@@ -60,7 +61,7 @@ def test_pairs_are_counted_by_seed_whatever_the_arrival_order() -> None:
         s for s in simulate(truth, 300, np.random.default_rng(43)) if s.seed not in (100, 201)
     ]
     order = np.random.default_rng(44).permutation(len(samples))
-    tally = analysis.Tally.of([samples[i] for i in order], WL)
+    tally = OutcomeCounts.of([samples[i] for i in order], WL)
     by_seed = {s.seed: s.text[: tally.pair_length] for s in samples}
     want: dict[tuple[str, str], int] = {}
     for s in by_seed:

@@ -4,7 +4,11 @@ Why: `dist` proves things about fixtures with a closed form; nobody can load a f
 server they run in production. Here every token an engine samples is re-scored by a
 *reference* (`specaudit.reference`): the same model file served without speculation, asked for
 its processed next-token distribution given the exact token-id prefix. `records` holds the
-per-token value every part shares (the sampler fills it, the statistics read it).
+per-token value every part shares (the sampler fills it, the statistics read it); `sampling`
+draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: a token
+the reference forbids is BROKEN on its own, otherwise three tests (`analysis.TESTS`: KS of the
+PIT values, the draft's favourite, per-prefix G) are Bonferroni-combined, or with `sequential`
+an anytime-valid e-process decides.
 """
 
 from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms

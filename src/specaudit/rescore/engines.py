@@ -43,7 +43,7 @@ from specaudit.rescore import runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.fixture import draft_favourite, text_of
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.sampling import Sample
+from specaudit.rescore.sampling import SeededGeneration
 from specaudit.rescore.spread import probe_difference
 
 if TYPE_CHECKING:
@@ -61,9 +61,10 @@ EngineProgressFn = Callable[[str, int, int], None]
 
 
 def fixture_ids(spec: FixtureSpec, text: str, tokens: int) -> tuple[int, ...]:
-    """A `dist` sample's outcomes (`Sample.text`) as token ids of `spec`'s vocabulary, cut
-    after the first outcome that is not a letter: BOS/EOS/UNK keep their ids, anything else
-    (a short output, an id outside the vocabulary, other text) is `NOT_A_TOKEN`."""
+    """A `dist` sample's outcomes (`distribution.Sample.text`) as token ids of `spec`'s
+    vocabulary, cut after the first outcome that is not a letter: BOS/EOS/UNK keep their ids,
+    anything else (a short output, an id outside the vocabulary, other text) is
+    `NOT_A_TOKEN`."""
     from specaudit.distribution.results import SPECIAL_CODES
 
     specials = {code: spec.token_ids[tok] for tok, code in SPECIAL_CODES.items()}
@@ -88,7 +89,7 @@ class EngineSampler:
         self.tokens = tokens
         self.label = engine.label
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         try:
             s = await self.engine.sample(seed)
         except RescoreError:
@@ -98,7 +99,7 @@ class EngineSampler:
 
             raise RescoreError(str(engine_error(self.label, e))) from None
         ids = fixture_ids(self.spec, s.text, self.tokens)
-        return Sample(seed, prompt, ids, s.drafted, s.accepted)
+        return SeededGeneration(seed, prompt, ids, s.drafted, s.accepted)
 
     async def aclose(self) -> None:
         await self.engine.aclose()

@@ -34,7 +34,7 @@ from specaudit.reference import (
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
 from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
-from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSampler
+from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
 from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
 ENGINES = ("server", "openai")
@@ -213,7 +213,7 @@ class RescoreResult:
     seeds: int
     tokens: int
     sampler: SamplerSettings
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[SeededGeneration] = field(default_factory=list)
     rescored: int = 0
     stats: RescoreStats | None = None
     error: str | None = None
@@ -412,7 +412,7 @@ async def _ask(ref: Reference, prefix: Sequence[int]) -> NextToken:
         return await ref.next_token(prefix)
 
 
-async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) -> Sample:
+async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) -> SeededGeneration:
     """One seeded sample, drawn again once after a transport error (no HTTP status): a
     keep-alive connection the engine closed while the event loop was held (a progress
     callback that stops a server, an in-process engine) fails on reuse. Its answer was never
@@ -436,7 +436,7 @@ async def _sample_and_rescore(
 ) -> None:
     jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
     sem = asyncio.Semaphore(req.concurrency)
-    samples: dict[tuple[int, int], Sample] = {}
+    samples: dict[tuple[int, int], SeededGeneration] = {}
     draws: dict[tuple[int, int], list[TokenDraw]] = {}
     ref_failed: list[str] = []
     eng_failed: list[str] = []
@@ -454,19 +454,12 @@ async def _sample_and_rescore(
         samples[(seed, p)] = s
         if ref_failed:
             return
-        out = []
         try:
-            for i, tok in enumerate(s.ids):
-                prefix = [*prompts[p], *s.ids[:i]]
-                nt = await _ask(ref, prefix)
-                fav = req.favourite(prefix) if req.favourite else None
-                key = f"{p}:" + ",".join(map(str, s.ids[:i]))
-                out.append(TokenDraw(seed, p, i, key, tok, nt, draft_favourite=fav))
+            draws[(seed, p)] = await _rescored(req, ref, seed, p, prompts[p], s.ids)
         except (ClientError, ReferenceUnusable, RescoreError) as e:
             if not ref_failed:
                 ref_failed.append(str(e))
             return
-        draws[(seed, p)] = out
         done[0] += 1
         if progress:
             progress(done[0], len(jobs))
@@ -482,15 +475,47 @@ async def _sample_and_rescore(
     res.draws = [d for k in sorted(draws) for d in draws[k]]
     res.rescored = len(res.draws)
     _counts(res)
+    failure = _failure(res, len(jobs), eng_failed, ref_failed)
+    if failure is not None:
+        res.error = failure
+
+
+async def _rescored(
+    req: RescoreRequest,
+    ref: Reference,
+    seed: int,
+    prompt: int,
+    prompt_ids: Sequence[int],
+    ids: Sequence[int],
+) -> list[TokenDraw]:
+    """Every token of one generation with the reference's distribution for its exact prefix
+    (and the draft's favourite there, when the request knows it)."""
+    out = []
+    for i, tok in enumerate(ids):
+        prefix = [*prompt_ids, *ids[:i]]
+        nt = await _ask(ref, prefix)
+        fav = req.favourite(prefix) if req.favourite else None
+        key = f"{prompt}:" + ",".join(map(str, ids[:i]))
+        out.append(TokenDraw(seed, prompt, i, key, tok, nt, draft_favourite=fav))
+    return out
+
+
+def _failure(
+    res: RescoreResult, jobs: int, eng_failed: list[str], ref_failed: list[str]
+) -> str | None:
+    """The run's error: the engine's first failure (and how far it got), else the
+    reference's; None if neither failed."""
     if eng_failed:
-        res.error = eng_failed[0]
-        if len(res.samples) < len(jobs):
-            res.error += f" (after {len(res.samples)} of {len(jobs)} samples)"
-    elif ref_failed:
-        res.error = (
+        error = eng_failed[0]
+        if len(res.samples) < jobs:
+            error += f" (after {len(res.samples)} of {jobs} samples)"
+        return error
+    if ref_failed:
+        return (
             f"the reference failed after {res.rescored} of {res.sampled_tokens} sampled tokens "
             f"were re-scored: {ref_failed[0]}"
         )
+    return None
 
 
 async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> RescoreResult:
@@ -514,7 +539,7 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
     )  # fmt: skip
     sem = asyncio.Semaphore(req.concurrency)
     jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
-    got: dict[tuple[int, int], Sample] = {}
+    got: dict[tuple[int, int], SeededGeneration] = {}
 
     async def one(seed: int, p: int) -> None:
         async with sem:
