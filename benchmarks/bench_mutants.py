@@ -29,9 +29,9 @@ Per row: N samples (seeds 1..N) are drawn once, then
 The logprob mutants (``lp-*``: bugs in what spec-logprobs *reports*, not in what is sampled)
 get a fidelity row each instead, next to stock and spec-logprobs as controls: every token of
 `--fidelity-seeds` seeds x 16 tokens x each probe kind (both endpoints, pre- and
-post-sampling, streamed and not; `fidelity.DEFAULT_KINDS`) classified against the closed form
-(`specaudit.fidelity`), with the tolerance measured from the plain server's spread; beside it
-what `specaudit check`'s classification says of the same tokens.
+post-sampling, streamed and not; `fidelity_probe.DEFAULT_KINDS`) classified against the closed
+form (`specaudit.check.fidelity`), with the tolerance measured from the plain server's spread;
+beside it what `specaudit check`'s classification says of the same tokens.
 
 The MTP mutants (``mtp-*``: bugs in ``--spec-type draft-mtp``'s driver) get rows of their own,
 on the mtp fixture (`fixtures.mtp_spec`, a glm4moe with its own MTP layer; the only model the
@@ -58,7 +58,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specaudit import distribution, fidelity, fixtures, llama
+from specaudit import distribution, fixtures, llama
+from specaudit.check import fidelity, fidelity_probe
 from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets, sources
@@ -371,7 +372,7 @@ def fidelity_row(
     """One build's fidelity row on the default fixture."""
     ref = fidelity.FixtureReference(fs.spec, FIDELITY_SAMPLER)
     with runner.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
-        run = fidelity.probe_server(
+        run = fidelity_probe.probe_server(
             srv.url,
             prompt=FIDELITY_PROMPT,
             prompt_ids=fs.spec.tokenize(FIDELITY_PROMPT),
@@ -415,7 +416,7 @@ def fidelity_table(
     spec = fs.spec
     ref = fidelity.FixtureReference(spec, FIDELITY_SAMPLER)
     with runner.spawn_server(bins["stock"], fs, path="plain", log_dir=work) as plain:
-        floor = fidelity.server_noise_floor(
+        floor = fidelity_probe.server_noise_floor(
             plain.url,
             [spec.tokenize(FIDELITY_PROMPT + x) for x in spec.letters],
             FIDELITY_SAMPLER.request_fields(),
@@ -496,7 +497,7 @@ def main() -> int:
         print()
         print(
             f"fidelity: {args.fidelity_seeds} seeds x {FIDELITY_TOKENS} tokens x "
-            f"{len(fidelity.DEFAULT_KINDS)} probe kinds per row, top-k "
+            f"{len(fidelity_probe.DEFAULT_KINDS)} probe kinds per row, top-k "
             f"{FIDELITY_SAMPLER.top_k}, T={FIDELITY_SAMPLER.temperature:g}, {FIDELITY_N_PROBS} "
             f"candidates; noise floor (plain server at batch sizes 1, 2, 4 and the closed form, "
             f"{floor.prefixes} prefixes): prob {floor.prob:.3g}, logprob {floor.logprob:.3g}; "

@@ -26,8 +26,8 @@ import time
 from specaudit import llama, models
 from specaudit.fixtures import SamplerSettings
 from specaudit.llama import LlamaServer
+from specaudit.reference import Reference
 from specaudit.rescore import runner
-from specaudit.rescore.reference import Reference
 from specaudit.rescore.sampling import ServerSampler
 
 SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)

@@ -19,7 +19,8 @@ from scipy import stats as st
 
 from closed_form import Bend, draw
 from specaudit import distribution, fixtures
-from specaudit.distribution import analysis
+from specaudit.distribution.counting import OutcomeCounts
+from specaudit.distribution.dependence import history_positions, seed_pair_result
 from specaudit.distribution.truth import stratum_key
 from specaudit.stats import Verdict
 
@@ -144,7 +145,7 @@ def history_false_alarms(runs: int, *, n: int = 1000, alpha: float = 0.05) -> li
     ]
     broken = sum(r.verdict is Verdict.BROKEN for r in results)
     out = [Rate("BROKEN of correct engines", broken, runs, alpha, True)]
-    for t in analysis.history_positions(truth):
+    for t in history_positions(truth):
         ps = [next(x for x in r.tests if x.name == f"history {t}").gof.p_value for r in results]
         out.append(Rate(f"history {t} below alpha", sum(p < alpha for p in ps), runs, alpha, True))
     return out
@@ -155,9 +156,7 @@ def seed_pair_false_alarms(runs: int, *, n: int = 400, alpha: float = 0.05) -> R
     alpha at most alpha of the time."""
     truth, rng = distribution.Truth(SPEC, WL), np.random.default_rng(42)
     below = sum(
-        analysis.seed_pair_result(
-            truth, analysis.Tally.of(draw(truth, n, rng), WL), mc_draws=500
-        ).p_value
+        seed_pair_result(truth, OutcomeCounts.of(draw(truth, n, rng), WL), mc_draws=500).p_value
         < alpha
         for _ in range(runs)
     )

@@ -5,12 +5,12 @@ the console script (`main` is `run` plus `sys.exit`): the exit code a user's she
 usage and `SpecauditError`s as one ``error:`` line on stderr. stdout and stderr are captured
 apart with click's `CliRunner` isolation (not a terminal, 80 columns). A test that needs the
 installed entry point as a process (signals, start-up imports) uses `subprocess` instead.
-`toy`: the toy `dist` engine registered for one test (the registry's and rescore's tests).
+`toy`: the toy `dist` engine installed as a package for one test (the registry's and
+rescore's tests), installed by `engine_package.install_engine_package`.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import pytest
 from click.testing import CliRunner
+
+from engine_package import install_engine_package
 
 # LiteLLM fetches its model price map from the internet when imported; the tests never need it
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -60,13 +62,15 @@ def cli() -> CliFn:
 
 @pytest.fixture
 def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """The toy `dist` engine registered (tests/toy_engine.py: importing it registers it), and
-    taken away afterwards."""
+    """The toy `dist` engine (tests/toy_engine.py) installed as the package ``specaudit-toy``,
+    whose entry point names that module, found by the registry's next read; gone afterwards."""
     from specaudit.distribution import registry
 
     monkeypatch.setenv("SPECAUDIT_CACHE", str(tmp_path))
+    site = install_engine_package(tmp_path / "site", "specaudit-toy", {"toy": "toy_engine"})
+    monkeypatch.syspath_prepend(str(site))
     sys.modules.pop("toy_engine", None)
-    importlib.import_module("toy_engine")
+    registry.reset()
     yield
-    registry.unregister("toy")
+    registry.reset()  # loaded again on the next read, without the package (sys.path restored)
     sys.modules.pop("toy_engine", None)

@@ -7,6 +7,11 @@ on exit whatever happened inside the block: the listener is closed, handlers sti
 a client going away as a cancellation (``handler_cancellation``). `serve_tcp(on_connect)` is
 the same for a raw TCP server (bytes that are not HTTP, a relay).
 
+Canned answers (`Canned`: a plain function from `Asked` to `Answer`) reach the code under test
+either way from one handler: `serve(serving(canned))` on a socket, for a test whose client is
+another process; `route_clients(monkeypatch, canned)` with no socket at all, through
+`specaudit.client`'s transport seam (an `httpx.MockTransport`), for everything run in-process.
+
 The fakes built on it, for what a real llama-server cannot play:
 
 - `Fake`: a proxy backend that is slow, answers garbage, streams forever (and notices the
@@ -22,12 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import httpx
+import pytest
 from aiohttp import web
+
+from specaudit import client
 
 HOST = "127.0.0.1"
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -109,6 +120,89 @@ def serve_tcp(on_connect: OnConnect) -> Iterator[Served]:
                 listener.close()
 
             _run(loop, stop())
+
+
+# ------------------------------------------------------------------------------ canned answers
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One request as a canned handler sees it, however it arrived."""
+
+    method: str
+    path: str  # without the query
+    body: bytes = b""
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a canned handler answers; `delay` (seconds) keeps the request in flight first."""
+
+    body: bytes = b""
+    status: int = 200
+    content_type: str = "application/json"
+    delay: float = 0.0
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200, delay: float = 0.0) -> Answer:
+        return cls(json.dumps(value).encode(), status, delay=delay)
+
+    def response(self) -> httpx.Response:
+        return httpx.Response(
+            self.status, content=self.body, headers={"Content-Type": self.content_type}
+        )
+
+
+Canned = Callable[[Asked], Answer]
+URL = "http://canned.test"  # what `route_clients` answers; nothing listens there
+
+
+def serving(canned: Canned) -> Handler:
+    """`canned` as an aiohttp handler, for `serve`: the same answers over a socket."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        answer = canned(Asked(request.method, request.path, await request.read()))
+        await asyncio.sleep(answer.delay)
+        return web.Response(
+            status=answer.status, body=answer.body, content_type=answer.content_type
+        )
+
+    return handle
+
+
+class CannedTransport(httpx.MockTransport):
+    """`canned` as an httpx transport for sync and async clients alike; an answer's delay is
+    slept without holding the event loop, so concurrent requests really overlap."""
+
+    def __init__(self, canned: Canned) -> None:
+        super().__init__(self._answer)
+        self.canned = canned
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        answer = self.canned(_asked(request))
+        time.sleep(answer.delay)
+        return answer.response()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        answer = self.canned(_asked(request))
+        await asyncio.sleep(answer.delay)
+        return answer.response()
+
+
+def _asked(request: httpx.Request) -> Asked:
+    return Asked(request.method, request.url.path, request.content)
+
+
+def route_clients(monkeypatch: pytest.MonkeyPatch, canned: Canned) -> str:
+    """Until the test ends, every `specaudit.client` client built without a transport (the
+    ones a command builds deep inside) is answered by `canned`, with no socket; returns the
+    base URL to give them."""
+    monkeypatch.setattr(client, "default_transport", CannedTransport(canned))
+    return URL
 
 
 # ------------------------------------------------------------------------------ proxy backends

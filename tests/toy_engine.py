@@ -1,7 +1,9 @@
-"""A toy `dist` engine, written the way docs/dist.md ("Adding an engine") says: one module, one
-`register` call. It samples the fixture's closed form in memory (`--toy-mode exact`), or always
-its most likely token (`--toy-mode greedy`, which a correct test calls BROKEN). Importing this
-module registers it; `tests/unit/test_dist_registry.py` drives it through `specaudit dist`."""
+"""A toy `dist` engine, written the way docs/dist.md ("Adding an engine") says: one module with
+the registry's hook, `register_engines`. It samples the fixture's closed form in memory
+(`--toy-mode exact`), or always its most likely token (`--toy-mode greedy`, which a correct
+test calls BROKEN). conftest's `toy` fixture installs it as a package (an entry point of the
+group ``specaudit.engines``); the registry's and rescore's tests drive it through `specaudit
+dist` and `specaudit rescore --dist-engine`."""
 
 from __future__ import annotations
 
@@ -11,13 +13,7 @@ import numpy as np
 
 import closed_form
 from specaudit.distribution import Sample, Truth, Workload
-from specaudit.distribution.registry import (
-    EngineEntry,
-    EngineOption,
-    RunContext,
-    Unit,
-    register,
-)
+from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
 from specaudit.fixtures import FixtureSpec
 
@@ -53,11 +49,14 @@ def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
     yield Unit(ToyEngine(req.fixture.spec, req.workload, mode))
 
 
-TOY = register(
-    EngineEntry(
-        "toy",
-        build,
-        help="an in-memory sampler of the fixture's closed form",
-        options=(EngineOption("--toy-mode", "toy_modes", MODES, "How the toy samples."),),
-    )
+TOY = EngineEntry(
+    "toy",
+    build,
+    help="an in-memory sampler of the fixture's closed form",
+    options=(EngineOption("--toy-mode", "toy_modes", MODES, "How the toy samples."),),
 )
+
+
+def register_engines(register: Register) -> None:
+    """The registry's hook: what the entry point names."""
+    register(TOY)

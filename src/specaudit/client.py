@@ -6,10 +6,19 @@ it can say "no decision" clearly instead of crashing.
 
 Streams: llama-server closes a streamed connection although it advertised keep-alive, so each
 stream is read to its end and the connection is never reused after one.
+
+Transports: where the bytes go is an `httpx` transport, never decided here. This module is
+protocol (URLs, JSON, SSE, one-line errors) and knows nothing of policy; the commands above it
+(check, ab, dist, rescore) are policy and know nothing of sockets. So `Client` and
+`AsyncClient` take a `transport` (None: real sockets), and `default_transport` is the one used
+when none is given: the tests set it to an `httpx.MockTransport` answering from canned
+handlers (tests/fakes.py), which runs a whole command in-process, down to the client its code
+builds, with no socket and no server thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +51,11 @@ class StreamResult:
     events: list[JSON] = field(default_factory=list)
     done: bool = False  # saw "data: [DONE]" (OpenAI endpoints) or a final stop event
     raw: bytes = b""
+
+
+#: The transport of every `Client` and `AsyncClient` built without one; None: real sockets.
+#: Only tests set it (a mock serves sync and async clients alike): specaudit itself never does.
+default_transport: httpx.MockTransport | None = None
 
 
 def _url(base: str, path: str) -> str:
@@ -106,12 +120,23 @@ def _sse_line(line: str, out: StreamResult) -> None:
 
 
 class Client:
-    """Synchronous client for one server base URL."""
+    """Synchronous client for one server base URL.
 
-    def __init__(self, base_url: str, timeout: float = 120.0, api_key: str | None = None):
+    `transport`: where requests go (closed with the client); None: `default_transport`, or
+    real sockets when that is None too.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 120.0,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(timeout=timeout, headers=headers)
+        self._transport = transport if transport is not None else default_transport
+        self._http = httpx.Client(timeout=timeout, headers=headers, transport=self._transport)
 
     def close(self) -> None:
         self._http.close()
@@ -138,6 +163,13 @@ class Client:
             raise ClientError(_describe(e, url)) from None
         return _decode(r, url)
 
+    def _stream_client(self) -> contextlib.AbstractContextManager[httpx.Client]:
+        """A fresh connection pool for one stream on real sockets; a given transport owns its
+        connections, so its streams go through it."""
+        if self._transport is not None:
+            return contextlib.nullcontext(self._http)
+        return httpx.Client(timeout=self._http.timeout, headers=self._http.headers)
+
     def stream(self, path: str, body: JSON) -> StreamResult:
         """POST with ``stream: true`` and collect every SSE event (fresh connection)."""
         url = _url(self.base_url, path)
@@ -145,10 +177,7 @@ class Client:
         out = StreamResult()
         chunks: list[bytes] = []
         try:
-            with (
-                httpx.Client(timeout=self._http.timeout, headers=self._http.headers) as h,
-                h.stream("POST", url, json=body) as r,
-            ):
+            with self._stream_client() as h, h.stream("POST", url, json=body) as r:
                 if r.status_code >= 400:
                     r.read()
                     _decode(r, url)
@@ -168,7 +197,11 @@ class Client:
 
 
 class AsyncClient:
-    """Asynchronous twin of `Client` for concurrent sampling (ab, dist)."""
+    """Asynchronous twin of `Client` for concurrent sampling (ab, dist).
+
+    `transport` as for `Client`; `max_connections` bounds the real-socket pool only (a given
+    transport has its own).
+    """
 
     def __init__(
         self,
@@ -176,13 +209,15 @@ class AsyncClient:
         timeout: float = 120.0,
         max_connections: int = 64,
         api_key: str | None = None,
-    ):
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             timeout=timeout,
             headers=headers,
             limits=httpx.Limits(max_connections=max_connections),
+            transport=transport if transport is not None else default_transport,
         )
 
     async def aclose(self) -> None:

@@ -273,8 +273,3 @@ def mean_logprob(records: Sequence[TokenRecord], missing: Missing = Missing.SKIP
     """Mean logprob under a missing-value policy; None when no value is left to average."""
     vals = values(records, missing)
     return sum(vals) / len(vals) if vals else None
-
-
-def sum_logprob(records: Sequence[TokenRecord], missing: Missing = Missing.SKIP) -> float | None:
-    vals = values(records, missing)
-    return sum(vals) if vals else None

@@ -35,7 +35,6 @@ from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import Patch, resolve_all
 from specaudit.report import md_table
-from specaudit.stats import Verdict
 
 DEFAULT_BUILDS = (10705, 11205, 11434)
 DEFAULT_SEEDS = 1000
@@ -82,19 +81,6 @@ class MatrixResult:
     seeds: int
     fixture: str
     mtp_fixture: str | None = None  # the fixture of the MTP paths (None: no build has them)
-
-    @property
-    def consistent(self) -> bool:
-        """Every patched server reports real logprobs and every server path PRESERVED."""
-        for b in self.builds:
-            for v in (b.stock, b.patched):
-                if v is None:
-                    continue
-                if any(e.verdict is not Verdict.PRESERVED for e in v.dist.values()):
-                    return False
-            if b.patched is not None and b.patched.placeholders:
-                return False
-        return True
 
 
 ProgressFn = Callable[[str], None]

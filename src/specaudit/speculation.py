@@ -29,10 +29,6 @@ class SlotsReading:
     speculative: int | None = None
     note: str | None = None
 
-    @property
-    def readable(self) -> bool:
-        return self.total is not None
-
 
 @dataclass(frozen=True)
 class SpeculationInfo:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from specaudit import check, llama
-from specaudit.check_fidelity import FidelityCheckError
+from specaudit.check.with_reference import FidelityCheckError
 from specaudit.llama import presets
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer

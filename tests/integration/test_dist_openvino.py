@@ -54,8 +54,9 @@ def test_converted_fixture_loads_and_matches_the_f16_closed_form(
     tok = ovg.Tokenizer(str(p.converted.draft))  # the converted tokenizer: one letter, one id
     ids = tok.encode(p.spec.prompt, add_special_tokens=False).input_ids.data.tolist()[0]
     assert ids == p.spec.tokenize(p.spec.prompt)
-    tc = ov.check_truth(p, _workload(p))
-    assert tc.tokens >= 16 and tc.max_raw < 1e-6 and tc.max_processed < 1e-6
+    tc = p.check_truth(_workload(p))
+    assert tc.unit == "tokens" and tc.compared >= 16
+    assert tc.max_raw < 1e-6 and tc.max_processed < 1e-6
     # the F32 closed form is measurably off the converted weights: the truth had to move
     raw32 = fixtures.raw_distribution(fixture_dirs[kind].spec, "bcdbcf")
     raw16 = fixtures.raw_distribution(p.spec, "bcdbcf")

@@ -50,8 +50,9 @@ def test_truth_check_both_orders(fixture_set: fixtures.FixtureSet) -> None:
     sampler = fixtures.SamplerSettings(top_k=0, top_p=0.8, min_p=0.05, temperature=0.6)
     wl = distribution.make_workload(fixture_set.spec, tokens=3, sampler=sampler)
     models = hf.Models(fixture_set)
-    tc = hf.check_truth(models, wl)
-    assert tc.contexts > 1 and tc.max_raw < 1e-5 and tc.max_sampled < 1e-5
+    tc = models.check_truth(wl)
+    assert tc.unit == "contexts" and tc.compared > 1
+    assert tc.max_raw < 1e-5 and tc.max_processed < 1e-5
     assert "logits_processor" in hf.generation_kwargs(wl)
     # the native mapping, for contrast: temperature before top-p/min-p
     from transformers import GenerationConfig
@@ -86,8 +87,9 @@ def test_a_wrong_sampler_mapping_is_broken(fixture_set: fixtures.FixtureSet) -> 
 
 def test_generator_counts_and_seeds_are_reproducible(fixture_set: fixtures.FixtureSet) -> None:
     wl = distribution.make_workload(fixture_set.spec, tokens=4)
-    engines, _ = hf.engines(fixture_set, wl, ("assistant",))
-    (eng,) = engines
+    models = hf.Models(fixture_set)
+    models.check_truth(wl)
+    eng = models.engine("assistant", wl)
     a = [asyncio.run(eng.sample(s)).text for s in range(1, 21)]
     b = [asyncio.run(eng.sample(s)).text for s in range(1, 21)]
     assert a == b  # one sample per seed

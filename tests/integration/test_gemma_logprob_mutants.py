@@ -1,12 +1,12 @@
 """Logprob fidelity on Gemma 3 270M (served as its own draft): the five logprob mutants are real
 but wrong against a plain Gemma reference server, while `specaudit.check` calls them real.
 
-Every /completion token (pre- and post-sampling, streamed and not: `check_fidelity.KINDS`) is
+Every /completion token (pre- and post-sampling, streamed and not: `with_reference.KINDS`) is
 classified against the reference's answer for its exact prefix
-(`rescore.reference.ServerReference`), within the tolerance measured from the reference's own
-spread on the same sampler settings (`check_fidelity.measure_floor`: batch sizes 1, 2, 4 and
+(`reference.ServerReference`), within the tolerance measured from the reference's own
+spread on the same sampler settings (`with_reference.measure_floor`: batch sizes 1, 2, 4 and
 the last 1-16 tokens as one batch on a cached prefix), and every wrong call confirmed against
-the spread at its own prefix (`check_fidelity.confirm_wrong`). One reference server serves the
+the spread at its own prefix (`with_reference.confirm_wrong`). One reference server serves the
 module;
 each mutant is its own build (an incremental rebuild) served once.
 
@@ -44,15 +44,16 @@ from typing import Any
 
 import pytest
 
-from specaudit import check, check_fidelity, fidelity, llama
-from specaudit.fidelity import FidelityRun
+from specaudit import check, llama
+from specaudit.check import fidelity, fidelity_probe, with_reference
+from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.fixtures import SamplerSettings
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
+from specaudit.reference import ServerReference
 from specaudit.report import md_table
-from specaudit.rescore.reference import ServerReference
 
 # a test may build its mutant (an incremental rebuild, minutes on 2 busy cores, after waiting
 # for the build lock) and measure a noise floor before it probes anything
@@ -138,7 +139,7 @@ def measured(reference_url: str) -> Callable[[Workload], Measured]:
         if w.sampler not in cache:
             ref = ServerReference(reference_url, w.sampler, raw_probs=max(w.n_probs, 20))
             ids = ref.tokenize(PROMPT)
-            floor = check_fidelity.measure_floor(reference_url, ref, ids, w.sampler, tokens=TOKENS)
+            floor = with_reference.measure_floor(reference_url, ref, ids, w.sampler, tokens=TOKENS)
             print(f"{w.name}: noise floor {floor}", file=sys.stderr)
             cache[w.sampler] = Measured(reference_url, ref, floor, ids)
         return cache[w.sampler]
@@ -164,9 +165,9 @@ def _serve(bins: LlamaBinaries, gemma: Path, draft_sampling: str) -> LlamaServer
 
 def _probe(url: str, m: Measured, w: Workload) -> FidelityRun:
     """Every /completion kind on `url`, classified; a wrong call is confirmed against the
-    reference's spread at its own prefix (`check_fidelity.confirm_wrong`), as `check
+    reference's spread at its own prefix (`with_reference.confirm_wrong`), as `check
     --reference` does."""
-    run = fidelity.probe_server(
+    run = fidelity_probe.probe_server(
         url,
         prompt=m.ids,
         prompt_ids=m.ids,
@@ -176,9 +177,9 @@ def _probe(url: str, m: Measured, w: Workload) -> FidelityRun:
         seeds=SEEDS,
         tokens=TOKENS,
         n_probs=w.n_probs,
-        kinds=check_fidelity.KINDS,
+        kinds=with_reference.KINDS,
     )
-    run, floor = check_fidelity.confirm_wrong(run, m.url, m.ref, m.ids, w.sampler, m.floor)
+    run, floor = with_reference.confirm_wrong(run, m.url, m.ref, m.ids, w.sampler, m.floor)
     print(
         f"{url} ({w.name}): {run.counts}; drafted/accepted {run.drafted}; floor {floor}",
         file=sys.stderr,
@@ -279,6 +280,6 @@ def test_fidelity_catches_a_logprob_mutant_on_gemma_that_check_calls_real(
     assert wrong, run.counts_by_kind()
     assert {t.mode for _, t in wrong} == modes, run.counts_by_kind()
     assert all(t.index > 0 for _, t in wrong)
-    for kind in check_fidelity.KINDS:
+    for kind in with_reference.KINDS:
         if ("post" if kind.post else "pre") not in modes:
             assert run.counts_by_kind()[kind.label].real_wrong == 0, kind.label

@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from specaudit import check, distribution, fidelity, fixtures, llama
-from specaudit.fidelity import FidelityRun
+from specaudit import check, distribution, fixtures, llama
+from specaudit.check import fidelity, fidelity_probe
+from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
 
@@ -66,7 +67,7 @@ def floor(
     """The noise floor: per prefix (the prompt followed by each letter), the closed form and
     the plain server's answers at each batch size."""
     spec = reference.spec
-    got = fidelity.server_noise_floor(
+    got = fidelity_probe.server_noise_floor(
         server("fixture-plain").url,
         [spec.tokenize(PROMPT + letter) for letter in spec.letters],
         SAMPLER.request_fields(),
@@ -80,7 +81,7 @@ def floor(
 
 def _run(url: str, reference: fidelity.FixtureReference, tol: fidelity.Tolerance) -> FidelityRun:
     spec = reference.spec
-    run = fidelity.probe_server(
+    run = fidelity_probe.probe_server(
         url,
         prompt=PROMPT,
         prompt_ids=spec.tokenize(PROMPT),
@@ -175,6 +176,6 @@ def test_fidelity_catches_a_logprob_mutant_that_check_calls_real(
     # every wrong token is a speculative one: the first token comes from the plain path
     assert all(t.index > 0 for _, t in wrong)
     by_kind = run.counts_by_kind()
-    for kind in fidelity.DEFAULT_KINDS:
+    for kind in fidelity_probe.DEFAULT_KINDS:
         if ("post" if kind.post else "pre") not in modes:
             assert by_kind[kind.label].real_wrong == 0, kind.label

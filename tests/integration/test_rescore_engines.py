@@ -28,8 +28,8 @@ from specaudit import audit, fixtures
 from specaudit.distribution import coverage
 from specaudit.fixtures import REPORT_SAMPLER
 from specaudit.llama import presets
+from specaudit.reference import start_reference
 from specaudit.rescore import engines
-from specaudit.rescore.reference import start_reference
 from specaudit.rescore.runner import RescoreResult
 from specaudit.stats import Verdict
 

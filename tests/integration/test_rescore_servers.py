@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from specaudit import distribution, fixtures, llama
-from specaudit.fidelity import FixtureReference
+from specaudit.check.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
+from specaudit.reference import Reference
 from specaudit.rescore import fixture as fixture_ref
 from specaudit.rescore import runner
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.reference import Reference
 from specaudit.stats import Verdict
 
 GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)

@@ -1,20 +1,18 @@
 """`specaudit check` without llama-server: the whole pipeline over *replayed* real responses
-(tests/data/responses/check-*.json) for parsing, and small fake HTTP servers (tests/fakes.py)
-for the error paths, which run the real CLI in-process (exit 2, one `error:` line, no
-traceback)."""
+(tests/data/responses/check-*.json) for parsing, and small canned servers (tests/fakes.py,
+answered through the client's transport, no socket) for the error paths, which run the real
+CLI in-process (exit 2, one `error:` line, no traceback)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from aiohttp import web
 
-from fakes import Handler, serve
+from fakes import Answer, Asked, Canned, route_clients
 from specaudit import check
 from specaudit.llama.server import free_port
 
@@ -24,24 +22,24 @@ NOT_FOUND = b'{"error": {"code": 404, "message": "Not Found"}}'
 FILE_NOT_FOUND = b'{"error": {"code": 404, "message": "File Not Found"}}'
 
 
-def _replay_handler(name: str, slots: bool = True, strip_logprobs: bool = False) -> Handler:
+def _replay_handler(name: str, slots: bool = True, strip_logprobs: bool = False) -> Canned:
     """Answers like the recorded llama-server did (responses are real, only replayed)."""
     rec = json.loads((DATA / f"check-{name}.json").read_text())
     paths = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        if request.method == "GET":
-            if request.path_qs == "/slots" and slots:
-                return web.json_response(rec["slots"])
-            if request.path_qs == "/props":
-                return web.json_response(rec["props"])
-            return web.Response(status=404, body=FILE_NOT_FOUND, content_type="application/json")
-        body = json.loads(await request.read())
-        kind = paths.get(request.path_qs)
-        if request.path_qs == "/completion":
+    def handle(asked: Asked) -> Answer:
+        if asked.method == "GET":
+            if asked.path == "/slots" and slots:
+                return Answer.json(rec["slots"])
+            if asked.path == "/props":
+                return Answer.json(rec["props"])
+            return Answer(FILE_NOT_FOUND, 404)
+        body = asked.json()
+        kind = paths.get(asked.path)
+        if asked.path == "/completion":
             kind = "native-post" if body.get("post_sampling_probs") else "native"
         if kind is None or kind not in rec:
-            return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+            return Answer(NOT_FOUND, 404)
         if body.get("stream"):
             text = rec[kind]["stream_sse"]
             if strip_logprobs:
@@ -55,21 +53,20 @@ def _replay_handler(name: str, slots: bool = True, strip_logprobs: bool = False)
                         ln = "data: " + json.dumps(ev)
                     lines.append(ln)
                 text = "\n".join(lines) + "\n"
-            return web.Response(body=text.encode(), content_type="text/event-stream")
+            return Answer(text.encode(), content_type="text/event-stream")
         resp = json.loads(json.dumps(rec[kind]["response"]))
         if strip_logprobs:
             for ch in resp.get("choices", []):
                 ch["logprobs"] = None
             resp.pop("completion_probabilities", None)
-        return web.json_response(resp)
+        return Answer.json(resp)
 
     return handle
 
 
 @pytest.fixture
-def replay(request: pytest.FixtureRequest) -> Iterator[str]:
-    with serve(_replay_handler(**request.param)) as srv:
-        yield srv.url
+def replay(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    return route_clients(monkeypatch, _replay_handler(**request.param))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,26 +188,21 @@ def _no_decision(cli: CliFn, url: str, *extra: str) -> str:
     return lines[0]
 
 
-def _always(status: int, body: bytes, ctype: str) -> Handler:
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(status=status, body=body, content_type=ctype)
-
-    return handle
+def _always(status: int, body: bytes, ctype: str) -> Canned:
+    return lambda asked: Answer(body, status, ctype)
 
 
-def _web_site(root: Path) -> Handler:
+def _web_site(root: Path) -> Canned:
     """A plain static web site, as `python -m http.server` answers: files for GET, 404 for
     anything else asked for, 501 for other methods."""
 
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        if request.method != "GET":
-            return web.Response(status=501, body=b"<html>Unsupported method</html>",
-                                content_type="text/html")  # fmt: skip
-        f = root / (request.path.lstrip("/") or "index.html")
+    def handle(asked: Asked) -> Answer:
+        if asked.method != "GET":
+            return Answer(b"<html>Unsupported method</html>", 501, "text/html")
+        f = root / (asked.path.lstrip("/") or "index.html")
         if f.parent == root and f.is_file():
-            return web.Response(body=f.read_bytes(), content_type="text/html")
-        return web.Response(status=404, body=b"<html>File not found</html>",
-                            content_type="text/html")  # fmt: skip
+            return Answer(f.read_bytes(), content_type="text/html")
+        return Answer(b"<html>File not found</html>", 404, "text/html")
 
     return handle
 
@@ -220,27 +212,30 @@ def test_closed_port(cli: CliFn) -> None:
     assert "cannot connect" in line
 
 
-def test_server_answering_500(cli: CliFn) -> None:
-    with serve(_always(500, b"internal error\nwith a second line", "text/plain")) as srv:
-        line = _no_decision(cli, srv.url)
+def test_server_answering_500(cli: CliFn, monkeypatch: pytest.MonkeyPatch) -> None:
+    canned = _always(500, b"internal error\nwith a second line", "text/plain")
+    line = _no_decision(cli, route_clients(monkeypatch, canned))
     assert "HTTP 500" in line
 
 
-def test_server_answering_non_json(cli: CliFn) -> None:
-    with serve(_always(200, b"<html><body>hello</body></html>", "text/html")) as srv:
-        line = _no_decision(cli, srv.url)
+def test_server_answering_non_json(cli: CliFn, monkeypatch: pytest.MonkeyPatch) -> None:
+    canned = _always(200, b"<html><body>hello</body></html>", "text/html")
+    line = _no_decision(cli, route_clients(monkeypatch, canned))
     assert "non-JSON" in line
 
 
-def test_plain_http_server_without_llm_endpoints(cli: CliFn, tmp_path: Path) -> None:
+def test_plain_http_server_without_llm_endpoints(
+    cli: CliFn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "index.html").write_text("<html>just a web site</html>")
-    with serve(_web_site(tmp_path)) as srv:
-        assert httpx.get(srv.url + "/").text == "<html>just a web site</html>"
-        line = _no_decision(cli, srv.url)
-        assert "not an LLM server" in line
-        # a single endpoint asked for, same answer
-        line = _no_decision(cli, srv.url, "--endpoint", "chat")
-        assert "not an LLM server" in line
+    site = _web_site(tmp_path)
+    assert site(Asked("GET", "/")).body == b"<html>just a web site</html>"
+    url = route_clients(monkeypatch, site)
+    line = _no_decision(cli, url)
+    assert "not an LLM server" in line
+    # a single endpoint asked for, same answer
+    line = _no_decision(cli, url, "--endpoint", "chat")
+    assert "not an LLM server" in line
 
 
 def test_bad_option_is_exit_2_one_line(cli: CliFn) -> None:

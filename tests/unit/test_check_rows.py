@@ -4,7 +4,7 @@ same values (endpoint label, stream, counts, draft counts, verdict)."""
 from __future__ import annotations
 
 from specaudit.check import CheckResult, CheckSettings, EndpointResult, Speculation
-from specaudit.check_rows import EndpointRow, endpoint_rows
+from specaudit.check.rows import EndpointRow, endpoint_rows
 from specaudit.outcome import Outcome
 
 

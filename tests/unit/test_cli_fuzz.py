@@ -3,8 +3,9 @@ traceback, in bounded time (and, for the subprocess cases, bounded memory).
 
 The matrix is built from the click commands themselves, so a new option is fuzzed (or the
 test fails until its type has a row in `hostile`). Values: empty, negative, zero, NaN, ±inf,
-huge, not UTF-8, not a number, malformed URLs, unusable paths. Servers are a fake that
-answers /slots and /props but refuses every generation (HTTP 500): a value that slips past
+huge, not UTF-8, not a number, malformed URLs, unusable paths. Servers are a canned one
+(tests/fakes.py, through the client's transport, no socket) that answers /slots and /props but
+refuses every generation (HTTP 500): a value that slips past
 validation reaches the request it would poison (JSON encoding, headers) and shows as a crash,
 while a value that is valid still ends in a fast exit 2 ("no usable answer"). With
 `SPECAUDIT_LLAMA_BIN` pointing at an empty directory nothing is ever built or started:
@@ -27,9 +28,8 @@ from typing import Any
 
 import click
 import pytest
-from aiohttp import web
 
-from fakes import serve
+from fakes import Answer, Asked, route_clients
 from specaudit.cli import cli as group
 from specaudit.cli.common import FiniteFloat
 from specaudit.llama import free_port
@@ -136,20 +136,18 @@ def cases() -> Iterator[Any]:
 CASES = list(cases())
 
 
-async def _no_generation(request: web.BaseRequest) -> web.StreamResponse:
+def _no_generation(asked: Asked) -> Answer:
     """A server that says who it is and refuses to generate anything."""
-    await request.read()
-    if request.path == "/slots":
-        return web.json_response([{"id": 0, "speculative": False}])
-    if request.path == "/props":
-        return web.json_response({"default_generation_settings": {}})
-    return web.json_response({"error": {"message": "fuzz: no generation"}}, status=500)
+    if asked.path == "/slots":
+        return Answer.json([{"id": 0, "speculative": False}])
+    if asked.path == "/props":
+        return Answer.json({"default_generation_settings": {}})
+    return Answer.json({"error": {"message": "fuzz: no generation"}}, 500)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with serve(_no_generation) as srv:
-        yield srv.url
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> str:
+    return route_clients(monkeypatch, _no_generation)
 
 
 @pytest.fixture(scope="module")

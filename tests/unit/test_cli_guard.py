@@ -6,7 +6,9 @@ The guard (`specaudit.cli.run` + `specaudit.cli.crash`): an exception that is no
 went to, exit `EXIT_INTERNAL` (3), never Python's 1 (= finding). Bad input (URLs, timeouts,
 temperatures, text that is not UTF-8, plot and cache paths, seed ranges) is one line, exit 2,
 before anything is sent; a server that never answers ends in one line too; huge seed ranges
-run in bounded memory. Servers are fakes (tests/fakes.py).
+run in bounded memory. Servers are fakes (tests/fakes.py): canned answers through the client's
+transport (no socket) where the CLI runs in-process, real sockets where a process is the client
+or the point is a server that never answers.
 In-process runs use the shared `cli` fixture (tests/conftest.py).
 """
 
@@ -28,7 +30,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from fakes import Served, serve, serve_tcp
+from fakes import Answer, Asked, route_clients, serve, serve_tcp, serving
 from specaudit import ab, check, distribution, fixtures, paths
 from specaudit.cli import COMMANDS, crash
 from specaudit.errors import ServerError, SpecauditError
@@ -74,27 +76,35 @@ class Recorder:
     def generations(self) -> list[str]:
         return [h for h in self.hits if h not in ("/slots", "/props", "/health")]
 
-    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.hits.append(request.path)
-        if request.path == "/slots":
-            return web.json_response([{"id": 0, "speculative": False}])
-        if request.path == "/props":
-            return web.json_response({"default_generation_settings": {}})
-        if request.path == "/completion":
-            body = json.loads(await request.read())
-            n = int(body.get("n_predict", 3))
-            return web.json_response({"content": (self.text * n)[:n], "timings": {}})
+    def __call__(self, asked: Asked) -> Answer:
+        self.hits.append(asked.path)
+        if asked.path == "/slots":
+            return Answer.json([{"id": 0, "speculative": False}])
+        if asked.path == "/props":
+            return Answer.json({"default_generation_settings": {}})
+        if asked.path == "/completion":
+            n = int(asked.json().get("n_predict", 3))
+            return Answer.json({"content": (self.text * n)[:n], "timings": {}})
         lp = {"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "a", "logprob": -0.5}]}
-        return web.json_response(
+        return Answer.json(
             {"choices": [{"message": {"content": "a"}, "logprobs": {"content": [lp]}}]}
         )
 
 
 @pytest.fixture
-def recorder() -> Iterator[tuple[Recorder, Served]]:
+def recorder(monkeypatch: pytest.MonkeyPatch) -> tuple[Recorder, str]:
+    """A Recorder answering every client the test's code builds (no socket), and its URL."""
     rec = Recorder()
-    with serve(rec) as srv:
-        yield rec, srv
+    return rec, route_clients(monkeypatch, rec)
+
+
+@pytest.fixture
+def served_recorder() -> Iterator[tuple[Recorder, str]]:
+    """A Recorder on a real socket: for a client in another process, or beside a socket that
+    never answers."""
+    rec = Recorder()
+    with serve(serving(rec)) as srv:
+        yield rec, srv.url
 
 
 async def _hang(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -257,18 +267,18 @@ def test_library_calls_reject_a_malformed_url_in_one_line(cache: Path) -> None:
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e12"])
 def test_check_rejects_a_bad_timeout_before_any_request(
-    cli: CliFn, recorder: tuple[Recorder, Served], value: str
+    cli: CliFn, recorder: tuple[Recorder, str], value: str
 ) -> None:
-    rec, srv = recorder
-    line = one_error_line(cli("check", srv.url, "--timeout", value))
-    assert "--timeout" in line and rec.hits == []  # nothing sent to the live server
+    rec, url = recorder
+    line = one_error_line(cli("check", url, "--timeout", value))
+    assert "--timeout" in line and rec.hits == []  # nothing sent to the server
 
 
 def test_a_valid_timeout_still_reaches_the_live_server(
-    cli: CliFn, recorder: tuple[Recorder, Served]
+    cli: CliFn, recorder: tuple[Recorder, str]
 ) -> None:
-    rec, srv = recorder
-    code, out, err = cli("check", srv.url, "--timeout", "5", "--endpoint", "chat", "--no-stream")
+    rec, url = recorder
+    code, out, err = cli("check", url, "--timeout", "5", "--endpoint", "chat", "--no-stream")
     assert code == 0, err
     assert "/slots" in rec.hits and "/v1/chat/completions" in rec.hits
 
@@ -285,13 +295,13 @@ def test_library_check_rejects_a_bad_timeout(timeout: float) -> None:
 @pytest.mark.parametrize("value", ["nan", "-1", "inf", "-inf"])
 @pytest.mark.parametrize("command", ["check", "ab", "dist"])
 def test_temperature_must_be_finite_and_non_negative_everywhere(
-    cli: CliFn, recorder: tuple[Recorder, Served], command: str, value: str
+    cli: CliFn, recorder: tuple[Recorder, str], command: str, value: str
 ) -> None:
-    rec, srv = recorder
+    rec, url = recorder
     base = {
-        "check": ["check", srv.url],
-        "ab": ["ab", "--plain", srv.url, "--spec", srv.url],
-        "dist": ["dist", "--engine", "url", "--url", srv.url],
+        "check": ["check", url],
+        "ab": ["ab", "--plain", url, "--spec", url],
+        "dist": ["dist", "--engine", "url", "--url", url],
     }[command]
     line = one_error_line(cli(*base, "--temperature", value))
     assert "--temperature" in line and rec.hits == []
@@ -314,22 +324,20 @@ NOT_UTF8 = os.fsdecode(b"\xff\xfe")  # what Python makes of argv bytes that are 
 
 @pytest.mark.parametrize("command", ["check", "ab"])
 def test_a_prompt_that_is_not_utf8_is_one_line(
-    cli: CliFn, recorder: tuple[Recorder, Served], command: str
+    cli: CliFn, recorder: tuple[Recorder, str], command: str
 ) -> None:
-    rec, srv = recorder
-    base = (
-        ["check", srv.url] if command == "check" else ["ab", "--plain", srv.url, "--spec", srv.url]
-    )
+    rec, url = recorder
+    base = ["check", url] if command == "check" else ["ab", "--plain", url, "--spec", url]
     line = one_error_line(cli(*base, "--prompt", NOT_UTF8))
     assert "not valid UTF-8 (byte 0xff" in line and rec.hits == []
 
 
 @pytest.mark.parametrize("command", ["check", "ab"])
 def test_argv_bytes_that_are_not_utf8_are_one_line_in_a_process(
-    recorder: tuple[Recorder, Served], command: str
+    served_recorder: tuple[Recorder, str], command: str
 ) -> None:
-    rec, srv = recorder
-    url = srv.url.encode()
+    rec, served = served_recorder
+    url = served.encode()
     base = [b"check", url] if command == "check" else [b"ab", b"--plain", url, b"--spec", url]
     r = subprocess.run(
         [os.fsencode(sys.executable), b"-m", b"specaudit", *base, b"--prompt", b"\xff\xfe"],
@@ -356,38 +364,38 @@ def test_library_calls_reject_text_that_is_not_utf8() -> None:
 @pytest.mark.parametrize("plot", [f"{PROC}/x.png", "FILE/x.png", "DIR"])
 @pytest.mark.parametrize("command", ["ab", "dist"])
 def test_an_unwritable_plot_fails_before_any_sample(
-    cli: CliFn, recorder: tuple[Recorder, Served], tmp_path: Path, command: str, plot: str
+    cli: CliFn, recorder: tuple[Recorder, str], tmp_path: Path, command: str, plot: str
 ) -> None:
-    rec, srv = recorder
+    rec, url = recorder
     (tmp_path / "FILE").write_text("")
     (tmp_path / "DIR").mkdir()
     plot = plot.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path / "DIR"))
     base = {
-        "ab": ["ab", "--plain", srv.url, "--spec", srv.url, "--seeds", "2", "--tokens", "4"],
-        "dist": ["dist", "--engine", "url", "--url", srv.url, "--seeds", "30"],
+        "ab": ["ab", "--plain", url, "--spec", url, "--seeds", "2", "--tokens", "4"],
+        "dist": ["dist", "--engine", "url", "--url", url, "--seeds", "30"],
     }[command]
     line = one_error_line(cli(*base, "--plot", plot))
     assert "--plot" in line and rec.generations == []
 
 
 def test_library_calls_check_the_plot_before_sampling(
-    recorder: tuple[Recorder, Served], cache: Path
+    recorder: tuple[Recorder, str], cache: Path
 ) -> None:
-    rec, srv = recorder
+    rec, url = recorder
     with pytest.raises(ab.ABError, match="--plot"):
-        ab.run(srv.url, srv.url, ab.Settings(seeds=2, tokens=4), plot=f"{PROC}/x.png")
+        ab.run(url, url, ab.Settings(seeds=2, tokens=4), plot=f"{PROC}/x.png")
     with pytest.raises(distribution.DistError, match="--plot"):
-        distribution.make_request(["url"], url=srv.url, seeds=30, plot=Path(f"{PROC}/x.png"))
+        distribution.make_request(["url"], url=url, seeds=30, plot=Path(f"{PROC}/x.png"))
     assert rec.hits == []
 
 
 def test_a_writable_plot_directory_is_created_and_the_plot_written(
-    cli: CliFn, recorder: tuple[Recorder, Served], tmp_path: Path
+    cli: CliFn, recorder: tuple[Recorder, str], tmp_path: Path
 ) -> None:
-    _, srv = recorder
+    _, url = recorder
     plot = tmp_path / "new" / "dir" / "ab.png"
     code, _, err = cli(
-        "ab", "--plain", srv.url, "--spec", srv.url, "--seeds", "2", "--tokens", "1",
+        "ab", "--plain", url, "--spec", url, "--seeds", "2", "--tokens", "1",
         "--plot", str(plot), "--json",
     )  # fmt: skip
     assert code in (0, 2) and "Traceback" not in err, err  # a verdict, whatever it is
@@ -401,24 +409,24 @@ def test_a_writable_plot_directory_is_created_and_the_plot_written(
 
 @pytest.mark.timeout(60)
 def test_ab_against_a_backend_that_never_answers_times_out_in_one_line(
-    cli: CliFn, recorder: tuple[Recorder, Served]
+    cli: CliFn, served_recorder: tuple[Recorder, str]
 ) -> None:
-    _, good = recorder
+    _, good = served_recorder
     with serve_tcp(_hang) as hanging:
-        r = cli("ab", "--plain", hanging.url, "--spec", good.url, "--timeout", "1")
+        r = cli("ab", "--plain", hanging.url, "--spec", good, "--timeout", "1")
     assert "timed out" in one_error_line(r)
 
 
 @pytest.mark.timeout(60)
 def test_the_slots_probe_gives_up_even_with_a_long_timeout(
-    cli: CliFn, recorder: tuple[Recorder, Served], monkeypatch: pytest.MonkeyPatch
+    cli: CliFn, served_recorder: tuple[Recorder, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from specaudit.ab import sampling
 
     monkeypatch.setattr(sampling, "PROBE_TIMEOUT", 1.0)
-    _, good = recorder
+    _, good = served_recorder
     with serve_tcp(_hang) as hanging:
-        r = cli("ab", "--plain", good.url, "--spec", hanging.url, "--timeout", "600")
+        r = cli("ab", "--plain", good, "--spec", hanging.url, "--timeout", "600")
     assert "timed out" in one_error_line(r)
 
 
@@ -651,7 +659,7 @@ def test_memory_does_not_grow_while_sampling(sequential: bool) -> None:
 def test_run_never_materialises_the_seed_range(
     monkeypatch: pytest.MonkeyPatch, cache: Path
 ) -> None:
-    from specaudit.distribution import builtin, runner
+    from specaudit.distribution import llamacpp, runner
 
     seen: list[Any] = []
 
@@ -663,7 +671,7 @@ def test_run_never_materialises_the_seed_range(
         seen.append(seeds)
         raise SpecauditError("stop here")
 
-    monkeypatch.setattr(builtin, "ServerEngine", Eng)
+    monkeypatch.setattr(llamacpp, "ServerEngine", Eng)
     monkeypatch.setattr(runner, "measure", fake_measure)
     with pytest.raises(SpecauditError, match="stop here"):
         req = distribution.make_request(
@@ -683,7 +691,7 @@ def test_the_tally_gives_the_same_result_as_the_samples() -> None:
     samples = asyncio.run(draw(400))
     samples.insert(7, distribution.Sample(999, "aaaa"))  # impossible tokens too
     from_list = distribution.analyze(SPEC, wl, samples)
-    tally = distribution.Tally.of(samples, wl)
+    tally = distribution.OutcomeCounts.of(samples, wl)
     assert len(tally.texts) <= len(SPEC.letters) ** wl.positions
     assert distribution.analyze(SPEC, wl, tally) == from_list
     assert (from_list.n_samples, from_list.first_seed, from_list.last_seed) == (401, 1, 999)
@@ -707,7 +715,7 @@ def test_a_billion_sequential_seeds_run_in_bounded_memory(tmp_path: Path) -> Non
     in MemoryError (`list(range(...))`); now it samples, and stops at the first decisive
     sample."""
     rec = Recorder(text=_impossible_first_letter() * 3)
-    with serve(rec) as srv:
+    with serve(serving(rec)) as srv:
         r = subprocess.run(
             [sys.executable, "-m", "specaudit", "dist", "--engine", "url", "--url", srv.url,
              "--seeds", "1000000000", "--tokens", "3", "--sequential", "--json"],

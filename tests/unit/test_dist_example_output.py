@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-import fakes
+from fakes import Answer, Asked, Canned, route_clients
 from specaudit import distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import dist as dist_section
@@ -216,19 +215,20 @@ def test_any_engine_error_names_the_engine() -> None:
 # the audit's dist section: one engine that cannot sample does not take the others with it
 
 
-def _fake_llama_server(content: str) -> fakes.Handler:
-    async def handle(req: web.BaseRequest) -> web.StreamResponse:
+def _fake_llama_server(content: str) -> Canned:
+    def handle(req: Asked) -> Answer:
         if req.path == "/slots":
-            return web.json_response([{"id": 0}])
+            return Answer.json([{"id": 0}])
         if req.path == "/props":
-            return web.json_response({})
-        return web.json_response({"content": content})
+            return Answer.json({})
+        return Answer.json({"content": content})
 
     return handle
 
 
 class _Servers(AuditContext):
-    """The plain path served by a fake; every speculating path's server fails to start."""
+    """The plain path served by a canned server; every speculating path's server fails to
+    start."""
 
     def __init__(self, out_dir: Path, plain_url: str, bins: LlamaBinaries) -> None:
         super().__init__(out_dir, ensure_bins=lambda build, patches: bins)
@@ -250,10 +250,8 @@ def test_audit_section_keeps_the_other_engines_and_names_each_failure_in_one_lin
     _script(bin_dir / "llama-server", "echo '--spec-draft-sampling'; echo 'draft-mtp'")
     _script(bin_dir / "llama-speculative", "echo 'error: out of memory' >&2; exit 1")
     bins = LlamaBinaries(bin_dir, 11434, "stock")
-    with (
-        fakes.serve(_fake_llama_server("fegh")) as plain,
-        _Servers(tmp_path / "audit", plain.url, bins) as ctx,
-    ):
+    plain = route_clients(monkeypatch, _fake_llama_server("fegh"))
+    with _Servers(tmp_path / "audit", plain, bins) as ctx:
         sec = dist_section.section(ctx)
     assert sec.status is Outcome.NO_DECISION and sec.error is not None
     assert "\n" not in sec.error and "\n" not in sec.summary

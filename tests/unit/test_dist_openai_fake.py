@@ -1,15 +1,15 @@
-"""`dist.OpenAIEngine` on fake servers: what a real server cannot play (another model, text
-outside the fixture's letters, a malformed answer) is a one-line DistError, never a verdict."""
+"""`dist.OpenAIEngine` on canned servers (tests/fakes.py, through the client's transport, no
+socket): what a real server cannot play (another model, text outside the fixture's letters, a
+malformed answer) is a one-line DistError, never a verdict."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 import fakes
+from fakes import Answer, Asked
 from specaudit import distribution, fixtures
 
 
@@ -21,11 +21,11 @@ class _Handler:
         self.text = text
         self.seen: list[dict[str, Any]] = []
 
-    async def __call__(self, req: web.BaseRequest) -> web.StreamResponse:
-        if req.path == "/v1/models":
-            return web.json_response(self.models)
-        self.seen.append(json.loads(await req.read()))
-        return web.json_response({"choices": [{"text": self.text, "index": 0}]})
+    def __call__(self, asked: Asked) -> Answer:
+        if asked.path == "/v1/models":
+            return Answer.json(self.models)
+        self.seen.append(asked.json())
+        return Answer.json({"choices": [{"text": self.text, "index": 0}]})
 
 
 def _handler(models: Any, text: str = "fhag") -> _Handler:
@@ -37,11 +37,10 @@ WL = distribution.make_workload(SPEC)
 FIXTURE_MODELS = {"data": [{"id": "/somewhere/target.gguf"}]}
 
 
-def test_body_sets_every_knob_and_neutral_penalties() -> None:
+def test_body_sets_every_knob_and_neutral_penalties(monkeypatch: pytest.MonkeyPatch) -> None:
     h = _handler(FIXTURE_MODELS)
-    with fakes.serve(h) as s:
-        eng = distribution.OpenAIEngine(s.url, SPEC, WL)
-        (sample,) = distribution.collect(eng, [7])
+    eng = distribution.OpenAIEngine(fakes.route_clients(monkeypatch, h), SPEC, WL)
+    (sample,) = distribution.collect(eng, [7])
     (body,) = h.seen
     assert sample.text == "fhag" and sample.drafted is None
     assert body["seed"] == 7 and body["model"] == "/somewhere/target.gguf"
@@ -50,9 +49,9 @@ def test_body_sets_every_knob_and_neutral_penalties() -> None:
     assert body["max_tokens"] == WL.tokens and body["prompt"] == SPEC.prompt
 
 
-def test_alias_with_the_fixture_name_is_accepted() -> None:
-    with fakes.serve(_handler({"data": [{"id": f"{SPEC.name}-alias"}]})) as s:
-        assert distribution.fixture_model(s.url, SPEC) == f"{SPEC.name}-alias"
+def test_alias_with_the_fixture_name_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = fakes.route_clients(monkeypatch, _handler({"data": [{"id": f"{SPEC.name}-alias"}]}))
+    assert distribution.fixture_model(url, SPEC) == f"{SPEC.name}-alias"
 
 
 @pytest.mark.parametrize(
@@ -63,25 +62,25 @@ def test_alias_with_the_fixture_name_is_accepted() -> None:
         ({"data": [{"id": "x/target.gguf", "meta": {"n_vocab": 262144}}]}, "262144 tokens"),
     ],
 )
-def test_another_model_is_refused(models: Any, match: str) -> None:
-    with fakes.serve(_handler(models)) as s, pytest.raises(distribution.DistError, match=match):
-        distribution.OpenAIEngine(s.url, SPEC, WL)
+def test_another_model_is_refused(models: Any, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = fakes.route_clients(monkeypatch, _handler(models))
+    with pytest.raises(distribution.DistError, match=match):
+        distribution.OpenAIEngine(url, SPEC, WL)
 
 
 @pytest.mark.parametrize("text", ["fh g", "FHAG", "fhé"])
-def test_text_outside_the_letters_is_an_error(text: str) -> None:
-    with fakes.serve(_handler(FIXTURE_MODELS, text)) as s:
-        eng = distribution.OpenAIEngine(s.url, SPEC, WL)
-        with pytest.raises(distribution.DistError, match="not fixture letters"):
-            distribution.collect(eng, [1])
+def test_text_outside_the_letters_is_an_error(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = distribution.OpenAIEngine(
+        fakes.route_clients(monkeypatch, _handler(FIXTURE_MODELS, text)), SPEC, WL
+    )
+    with pytest.raises(distribution.DistError, match="not fixture letters"):
+        distribution.collect(eng, [1])
 
 
-def test_short_text_is_an_outcome_not_an_error() -> None:
+def test_short_text_is_an_outcome_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # a server that stopped early (EOS): outcomes of probability 0, judged BROKEN
-    with fakes.serve(_handler(FIXTURE_MODELS, "fh")) as s:
-        res = distribution.measure(
-            distribution.OpenAIEngine(s.url, SPEC, WL), SPEC, WL, range(1, 21)
-        )
+    url = fakes.route_clients(monkeypatch, _handler(FIXTURE_MODELS, "fh"))
+    res = distribution.measure(distribution.OpenAIEngine(url, SPEC, WL), SPEC, WL, range(1, 21))
     assert res.verdict.value == "BROKEN"
 
 

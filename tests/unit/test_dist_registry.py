@@ -1,19 +1,26 @@
-"""The engine registry: an engine added as one module plus one `register` call runs through
-`specaudit dist` (its name, its own option, its checks) with no other edit; the built-in
-entries say what they need, and the request checks that in one place."""
+"""The engine registry: an engine shipped as a package (one module with the registry's hook,
+named by an entry point of ``specaudit.engines``) runs through `specaudit dist` (its name, its
+own option, its checks) with no other edit; plug-ins load once, when the table is first read,
+without the engines' extras, and a broken one is one line naming it; the built-in entries say
+what they need, and the request checks that in one place."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from engine_package import install_engine_package
 from specaudit import distribution
 from specaudit.distribution import registry
 
 CliFn = Callable[..., tuple[int, str, str]]
+SRC = Path(__file__).resolve().parents[2] / "src"
 SMALL = (
     "--tokens", "3", "--positions", "2", "--joint", "2", "--tolerance", "0.2",
     "--sequential", "--seeds", "3000", "--json",
@@ -94,7 +101,7 @@ def test_run_takes_the_request_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_pat
     """`run` checks nothing again: the request was checked when it was made."""
     from types import SimpleNamespace
 
-    from specaudit.distribution import builtin, request, runner
+    from specaudit.distribution import llamacpp, request, runner
 
     req = distribution.make_request(["url"], url="http://127.0.0.1:9", work_dir=tmp_path, seeds=5)
 
@@ -104,10 +111,141 @@ def test_run_takes_the_request_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_pat
     for module in (request, runner):
         for name in ("make_request", "make_workload", "load_fixture", "url_list"):
             monkeypatch.setattr(module, name, again)
-    monkeypatch.setattr(builtin, "ServerEngine", lambda *a, **k: SimpleNamespace(label="u"))
+    monkeypatch.setattr(llamacpp, "ServerEngine", lambda *a, **k: SimpleNamespace(label="u"))
     monkeypatch.setattr(
         runner, "measure", lambda eng, spec, wl, seeds, **k: SimpleNamespace(seeds=seeds)
     )
     (res,) = distribution.run(req).engines
     assert isinstance(res, SimpleNamespace)  # what the stand-in `measure` returned
     assert res.seeds == range(1, 6)
+
+
+# ------------------------------------------------------------------ engines as packages
+
+
+def test_an_engine_installed_as_a_package_runs_through_dist(toy: None, tmp_path: Path) -> None:
+    """The toy is nowhere in specaudit: only its package's entry point names it."""
+    req = distribution.make_request(
+        ["toy"], work_dir=tmp_path, tokens=3, positions=2, joint=2, tolerance=0.2,
+        sequential=True, seeds=3000, toy_modes=["greedy"],
+    )  # fmt: skip
+    (eng,) = distribution.run(req).engines
+    assert eng.engine == "toy (greedy)" and eng.verdict.value == "BROKEN"
+    assert registry.names() == (
+        "server", "speculative-example", "url", "openai", "transformers", "openvino", "toy",
+    )  # fmt: skip
+
+
+def _install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, target: str, source: str | None = None
+) -> None:
+    """A package `specaudit-extra` whose entry point ``extra`` names `target`; `source`: the
+    module ``extra_engine`` it ships."""
+    modules = {"extra_engine": source} if source is not None else {}
+    site = install_engine_package(tmp_path / "site", "specaudit-extra", {"extra": target}, modules)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "extra_engine", raising=False)
+    registry.reset()
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    """Whatever a test installs is forgotten afterwards (the next read loads again)."""
+    yield
+    registry.reset()
+    sys.modules.pop("extra_engine", None)
+
+
+def test_an_entry_point_may_name_the_hook_itself(
+    clean_registry: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cli: CliFn
+) -> None:
+    _install(monkeypatch, tmp_path, "toy_engine:register_engines")
+    monkeypatch.delitem(sys.modules, "toy_engine", raising=False)
+    code, out, err = cli("dist", "--engine", "toy", *SMALL)
+    assert code == 0, err
+    assert json.loads(out)["engines"][0]["engine"] == "toy (exact)"
+
+
+PLUGIN_COUNTING = """
+CALLS = []
+
+
+def register_engines(register):
+    CALLS.append(register)
+"""
+
+
+def test_plug_ins_are_loaded_once_when_the_table_is_first_read(
+    clean_registry: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _install(monkeypatch, tmp_path, "extra_engine", PLUGIN_COUNTING)
+    assert "extra_engine" not in sys.modules  # reset and installed: nothing loaded yet
+    registry.get("server")
+    registry.names()
+    registry.options()
+    calls = sys.modules["extra_engine"].CALLS
+    assert len(calls) == 1  # one hook call, with a register of its own
+
+
+BROKEN_PLUGINS = [
+    ("no_such_module_here", None, "could not be loaded: ModuleNotFoundError"),
+    ("extra_engine", "X = 1\n", "has no register_engines(register) hook"),
+    ("extra_engine", "raise RuntimeError('a\\nb')\n", "could not be loaded: RuntimeError: a b"),
+    (
+        "extra_engine",
+        "def register_engines(register):\n    raise KeyError('oops')\n",
+        "register_engines failed: KeyError: 'oops'",
+    ),
+    (
+        "extra_engine",
+        "from specaudit.distribution import llamacpp\n\n"
+        "def register_engines(register):\n    register(llamacpp.URL)\n",
+        "registers engine 'url', which specaudit.distribution.llamacpp registered",
+    ),
+    (
+        "extra_engine",
+        "def register_engines(register):\n    register('toy')\n",
+        "TypeError: register() takes an EngineEntry, not str",
+    ),
+]
+
+
+@pytest.mark.parametrize(("target", "source", "why"), BROKEN_PLUGINS)
+def test_a_plug_in_that_cannot_register_is_one_line_naming_it(
+    clean_registry: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    cli: CliFn,
+    target: str,
+    source: str | None,
+    why: str,
+) -> None:
+    _install(monkeypatch, tmp_path, target, source)
+    with pytest.raises(distribution.DistError) as ei:
+        registry.names()
+    msg = str(ei.value)
+    assert msg.startswith(f"engine plug-in 'extra' ({target}, from specaudit-extra 0.1)")
+    assert why in msg and "\n" not in msg
+    with pytest.raises(distribution.DistError, match="engine plug-in 'extra'"):
+        registry.get("url")  # nothing half-registered: the next read tries again, and fails
+    code, out, err = cli("dist", "--engine", "url", "--url", "http://127.0.0.1:9")
+    assert code == 2 and err.strip() == f"error: {msg}", err
+
+
+def test_reading_the_registry_imports_no_engine_extra() -> None:
+    """torch, transformers and openvino are imported when their engine runs, not before."""
+    code = (
+        "import sys\n"
+        "from specaudit.distribution import registry\n"
+        "assert registry.names()[-1] == 'openvino'\n"
+        "print([m for m in ('torch', 'transformers', 'openvino', 'openvino_genai')"
+        " if m in sys.modules])\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert out.strip() == "[]"

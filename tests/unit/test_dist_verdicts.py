@@ -24,7 +24,9 @@ from scipy import stats as st
 import calibration
 from closed_form import Bend, draw
 from specaudit import distribution, fixtures, stats
-from specaudit.distribution import analysis, sequential
+from specaudit.distribution import sequential
+from specaudit.distribution.bounds import tv_family
+from specaudit.distribution.direction import draft_direction
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES
 from specaudit.distribution.truth import encode_ids, encode_text, stratum_key
 from specaudit.outcome import Outcome
@@ -88,7 +90,7 @@ def test_preserved_names_what_it_certifies() -> None:
     joint = next(t for t in res.tests if t.kind == "joint")
     bounds = [t.tv_bound for t in [*positions, joint]]
     assert all(b is not None for b in bounds)
-    level = 1 - 0.01 / analysis.tv_family(WL)  # Bonferroni over positions and the joint
+    level = 1 - 0.01 / tv_family(WL)  # Bonferroni over positions and the joint
     assert all(b.confidence == pytest.approx(level) for b in bounds if b is not None)
     assert res.tv_bound == max(b.upper for b in bounds if b is not None) <= 0.15
     assert res.samples_needed is None
@@ -182,7 +184,7 @@ def test_leakage_at_the_reported_minimum_is_detected(
     assert power is not None and power.lambda_ is not None and power.tv is not None
     assert power.n == n and power.level == pytest.approx(alpha / len(null.tests))
     assert 0.01 < power.tv < 0.06  # far below the tolerance: what the omnibus tests miss
-    dd = analysis.draft_direction(truth)
+    dd = draft_direction(truth)
     assert max(dd.tv(power.lambda_)) == pytest.approx(power.tv)
     rng = np.random.default_rng(6)
     bend = _leak(truth, power.lambda_)
@@ -201,7 +203,7 @@ def test_leakage_at_the_reported_minimum_is_detected(
 
 def test_the_score_statistic_is_calibrated_and_its_methods_agree() -> None:
     truth = distribution.Truth(SPEC, WL)
-    dd = analysis.draft_direction(truth)
+    dd = draft_direction(truth)
     assert dd.paths is not None
     vals, probs = dd.paths
     assert probs.sum() == pytest.approx(1.0) and probs @ vals == pytest.approx(0.0, abs=1e-12)

@@ -1,13 +1,28 @@
 """The fake servers of tests/fakes.py do what the tests built on them rely on: `serve` always
-stops, the proxy backends' modes behave, the relay records what the server sent."""
+stops, the proxy backends' modes behave, the relay records what the server sent, a canned
+handler answers alike over a socket and through the transport."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
 from aiohttp import web
 
-from fakes import Fake, Relay, http_body, not_http, serve, serve_tcp
+from fakes import (
+    URL,
+    Answer,
+    Asked,
+    CannedTransport,
+    Fake,
+    Relay,
+    http_body,
+    not_http,
+    serve,
+    serve_tcp,
+    serving,
+)
 
 
 async def _hello(request: web.BaseRequest) -> web.StreamResponse:
@@ -57,3 +72,53 @@ def test_relay_records_what_the_server_sent() -> None:
         assert r.json() == {"choices": [{"index": 0, "text": "a"}]}
         (raw,) = relay.responses
         assert raw.startswith(b"HTTP/1.1 200") and http_body(raw) == r.content
+
+
+def _echo(asked: Asked) -> Answer:
+    body = f"{asked.method} {asked.path} {asked.body.decode()}".encode()
+    return Answer(body, 418 if asked.path == "/teapot" else 200, "text/plain")
+
+
+def _seen(r: httpx.Response) -> tuple[int, str, str]:
+    return r.status_code, r.headers["content-type"].split(";")[0], r.text
+
+
+def test_a_canned_handler_answers_alike_over_a_socket_and_through_the_transport() -> None:
+    def ask(c: httpx.Client, base: str) -> list[tuple[int, str, str]]:
+        return [
+            _seen(c.post(base + "/teapot?q=1", content=b"tea")),
+            _seen(c.get(base + "/x")),
+        ]
+
+    with serve(serving(_echo)) as srv, httpx.Client() as sock:
+        over_socket = ask(sock, srv.url)
+    with httpx.Client(transport=CannedTransport(_echo)) as mock:
+        assert ask(mock, URL) == over_socket
+
+    async def ask_async() -> tuple[int, str, str]:
+        async with httpx.AsyncClient(transport=CannedTransport(_echo)) as c:
+            return _seen(await c.post(URL + "/teapot?q=1", content=b"tea"))
+
+    assert asyncio.run(ask_async()) == over_socket[0] == (418, "text/plain", "POST /teapot tea")
+
+
+def test_a_delayed_answer_keeps_async_requests_in_flight_together() -> None:
+    """An answer's delay is slept without holding the event loop: every request is asked
+    before the first is answered (what a test of in-flight sharing needs)."""
+    order: list[str] = []
+
+    def slow(asked: Asked) -> Answer:
+        order.append("asked")
+        return Answer.json({}, delay=0.05)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=CannedTransport(slow)) as c:
+
+            async def one() -> None:
+                await c.get(URL + "/x")
+                order.append("answered")
+
+            await asyncio.gather(one(), one(), one())
+
+    asyncio.run(go())
+    assert order == ["asked"] * 3 + ["answered"] * 3

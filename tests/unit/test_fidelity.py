@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from specaudit import fidelity, fixtures, logprobs
-from specaudit.fidelity import Fidelity, FidelityError, NoiseFloor
+from specaudit import fixtures, logprobs
+from specaudit.check import fidelity
+from specaudit.check.fidelity import Fidelity, FidelityError, NoiseFloor
 from specaudit.logprobs import TokenRecord
-from specaudit.rescore.records import NextToken
+from specaudit.reference import NextToken
 
 REF = NextToken(
     probs={0: 0.5, 1: 0.3, 2: 0.2},

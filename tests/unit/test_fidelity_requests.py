@@ -8,10 +8,10 @@ on both sides, or the EOS token's mass is in one distribution and not the other.
 
 from __future__ import annotations
 
-from specaudit import fidelity
-from specaudit.check_fidelity import KINDS
+from specaudit.check import fidelity_probe
+from specaudit.check.with_reference import KINDS
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.reference import completion_body, sampling_fields
+from specaudit.reference import completion_body, sampling_fields
 
 SAMPLER = SamplerSettings(top_k=40, top_p=0.9, min_p=0.05, temperature=0.7)
 DISTRIBUTION_KEYS = set(sampling_fields(SAMPLER))
@@ -36,9 +36,9 @@ def test_the_reference_request_masks_eos_and_names_the_whole_chain() -> None:
 
 def test_every_engine_probe_asks_for_the_distribution_the_reference_is_asked_for() -> None:
     ref = _distribution(completion_body([2, 10], SAMPLER, 40))
-    for kind in (*fidelity.DEFAULT_KINDS, *KINDS):
+    for kind in (*fidelity_probe.DEFAULT_KINDS, *KINDS):
         prompt = "Once upon a time" if kind.endpoint == "chat" else [2, 10]
-        probe = fidelity.request_body(kind, prompt, SAMPLER.request_fields(), 3, 12, 5)
+        probe = fidelity_probe.request_body(kind, prompt, SAMPLER.request_fields(), 3, 12, 5)
         assert _distribution(probe) == ref, kind.label
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specaudit import fleet
-from specaudit.check import CheckError, CheckResult
+from specaudit.check import CheckError, CheckResult, fleet
 
 GOOD = """\
 model_list:

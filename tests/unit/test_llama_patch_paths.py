@@ -402,3 +402,11 @@ def test_spawn_server_draft_sampling(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         _spawned_argv(monkeypatch, tmp_path, draft=False, draft_sampling="probabilistic")
     with pytest.raises(distribution.DistError, match="one of greedy, probabilistic"):
         _spawned_argv(monkeypatch, tmp_path, draft=True, draft_sampling="typo")
+
+
+@pytest.mark.parametrize("given", ["spec-logprobs", ["spec-logprobs"], 5])
+def test_patches_not_given_as_patch_values_are_refused(given: object) -> None:
+    """A library caller passing a name (or anything but `Patch` values) gets a TypeError
+    before any lookup: text is resolved once, by `patches.resolve`, never guessed here."""
+    with pytest.raises(TypeError, match="Patch values"):
+        build.find(B, given)  # type: ignore[arg-type]  # the wrong type is the point

@@ -382,12 +382,17 @@ def status(role: str) -> backends.BackendStatus:
     return backends.BackendStatus(role, "http://x:1")
 
 
+def state(s: backends.BackendStatus) -> backends.State:
+    """`s.state` read anew: `assess` changes `s` in place, which narrowing cannot see."""
+    return s.state
+
+
 def test_plain_that_speculates_is_unusable() -> None:
     s = status("plain")
     backends.assess(s, backends.Probe(True, 200, [{"speculative": True}, {"speculative": False}]))
-    assert s.state is backends.State.UNUSABLE and "1/2" in s.detail
+    assert state(s) is backends.State.UNUSABLE and "1/2" in s.detail
     backends.assess(s, backends.Probe(True, 200, [{"speculative": False}] * 2))
-    assert s.state is backends.State.UP and s.speculating is False
+    assert state(s) is backends.State.UP and s.speculating is False
 
 
 def test_spec_that_does_not_speculate_is_a_warning() -> None:
@@ -399,11 +404,11 @@ def test_spec_that_does_not_speculate_is_a_warning() -> None:
 def test_unreadable_slots_is_a_warning_and_down_is_down() -> None:
     s = status("plain")
     backends.assess(s, backends.Probe(True, 200, None, 501))
-    assert s.state is backends.State.UP and s.speculating is None
+    assert state(s) is backends.State.UP and s.speculating is None
     assert s.warning and "--no-slots" in s.warning
     backends.assess(s, backends.Probe(True, 200, None, 401))
     assert s.warning and "SPECAUDIT_PLAIN_API_KEY" in s.warning
     backends.assess(s, backends.Probe(True, 503))
-    assert s.state is backends.State.DOWN
+    assert state(s) is backends.State.DOWN
     backends.assess(s, backends.Probe(False, error="connection refused"))
-    assert s.state is backends.State.DOWN and s.detail == "connection refused"
+    assert state(s) is backends.State.DOWN and s.detail == "connection refused"

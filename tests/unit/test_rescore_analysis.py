@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from specaudit.reference import NextToken
 from specaudit.rescore import analysis
-from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
 

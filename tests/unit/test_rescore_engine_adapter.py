@@ -1,8 +1,9 @@
 """Any engine registered in `dist` is re-scorable with no change in rescore: the toy engine
-(tests/toy_engine.py, registered here and nowhere in rescore) re-scored against a fake plain
-llama-server that answers with the fixture's closed form. The exact toy is PRESERVED, the
-greedy toy BROKEN, through the library and `specaudit rescore --dist-engine toy`; a sample's
-non-letter outcomes become impossible tokens; bad input is one line, exit 2."""
+(tests/toy_engine.py, installed as a package whose entry point names it, nowhere in
+specaudit) re-scored against a canned plain llama-server (tests/fakes.py, through the client's
+transport, no socket) that answers with the fixture's closed form. The exact toy is PRESERVED,
+the greedy toy BROKEN, through the library and `specaudit rescore --dist-engine toy`; a
+sample's non-letter outcomes become impossible tokens; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-import fakes
+from fakes import Answer, Asked, Canned, route_clients
 from specaudit import fixtures
+from specaudit.check.fidelity import FixtureReference
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES, DistError
-from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER
 from specaudit.rescore import engines
 from specaudit.rescore.records import RescoreError
@@ -31,21 +31,21 @@ def fixture_set(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet
     return fixtures.build(tmp_path_factory.mktemp("fixture"))
 
 
-def _reference_handler(spec: fixtures.FixtureSpec) -> Any:
+def _reference_handler(spec: fixtures.FixtureSpec) -> Canned:
     """A plain llama-server as a reference sees it: /slots (not speculating), /v1/models, and
     /completion on a token-id prompt answered from the closed form (post-sampling probs or raw
     logprobs; `n_predict` > 1 continues with the most likely letters)."""
     closed = FixtureReference(spec, REPORT_SAMPLER)
     meta = {"data": [{"id": "fixture", "meta": {"n_vocab": spec.n_vocab}}]}
 
-    async def handler(req: web.BaseRequest) -> web.StreamResponse:
-        body = json.loads(await req.read() or b"{}")
+    def handler(req: Asked) -> Answer:
+        body = json.loads(req.body or b"{}")
         if req.path == "/slots":
-            return web.json_response([{"id": 0, "speculative": False}])
+            return Answer.json([{"id": 0, "speculative": False}])
         if req.path == "/v1/models":
-            return web.json_response(meta)
+            return Answer.json(meta)
         if req.path != "/completion":
-            return web.json_response({"error": "not supported"}, status=501)
+            return Answer.json({"error": "not supported"}, 501)
         ids = [int(t) for t in body["prompt"]]
         nt = closed.next_token(ids)
         if int(body.get("n_predict", 1)) > 1:
@@ -53,29 +53,30 @@ def _reference_handler(spec: fixtures.FixtureSpec) -> Any:
             for _ in range(int(body["n_predict"])):
                 d = closed.next_token([*ids, *gen]).probs
                 gen.append(max(d, key=lambda t: d[t]))
-            return web.json_response({"tokens": gen})
+            return Answer.json({"tokens": gen})
         if body.get("post_sampling_probs"):
             probs = [{"id": t, "prob": p} for t, p in nt.probs.items()]
-            return web.json_response({"completion_probabilities": [{"top_probs": probs}]})
+            return Answer.json({"completion_probabilities": [{"top_probs": probs}]})
         lps = [{"id": t, "logprob": lp} for t, lp in nt.logprobs.items() if math.isfinite(lp)]
-        return web.json_response({"completion_probabilities": [{"top_logprobs": lps}]})
+        return Answer.json({"completion_probabilities": [{"top_logprobs": lps}]})
 
     return handler
 
 
-def _run(fs: fixtures.FixtureSet, mode: str, **kw: Any) -> engines.EngineRescoreResult:
-    with fakes.serve(_reference_handler(fs.spec)) as ref:
-        req = engines.make_request(
-            ["toy"], fixture=fs, reference_url=ref.url, seeds=300, tokens=4,
-            sampler=REPORT_SAMPLER, toy_modes=[mode], **kw,
-        )  # fmt: skip
-        return engines.run(req)
+def _run(
+    monkeypatch: pytest.MonkeyPatch, fs: fixtures.FixtureSet, mode: str
+) -> engines.EngineRescoreResult:
+    req = engines.make_request(
+        ["toy"], fixture=fs, reference_url=route_clients(monkeypatch, _reference_handler(fs.spec)),
+        seeds=300, tokens=4, sampler=REPORT_SAMPLER, toy_modes=[mode],
+    )  # fmt: skip
+    return engines.run(req)
 
 
 def test_a_registered_engine_that_samples_the_truth_is_preserved(
-    toy: None, fixture_set: fixtures.FixtureSet
+    toy: None, fixture_set: fixtures.FixtureSet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    res = _run(fixture_set, "exact")
+    res = _run(monkeypatch, fixture_set, "exact")
     (r,) = res.results
     assert r.engine == "toy (exact)" and r.error is None and r.stats is not None
     assert r.rescored == r.sampled_tokens == 1200
@@ -86,29 +87,28 @@ def test_a_registered_engine_that_samples_the_truth_is_preserved(
 
 
 def test_a_registered_engine_that_always_takes_the_argmax_is_broken(
-    toy: None, fixture_set: fixtures.FixtureSet
+    toy: None, fixture_set: fixtures.FixtureSet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (r,) = _run(fixture_set, "greedy").results
+    (r,) = _run(monkeypatch, fixture_set, "greedy").results
     assert r.stats is not None
     assert r.stats.verdict is Verdict.BROKEN, r.stats.reason
     assert r.stats.impossible == 0  # the argmax is possible, just sampled too often
     assert r.stats.ks_p < 1e-6
 
 
-def test_the_cli_re_scores_a_registered_engine_with_its_own_option(
-    toy: None, fixture_set: fixtures.FixtureSet, cli: CliFn
+def test_the_cli_re_scores_an_engine_installed_as_a_package_with_its_own_option(
+    toy: None, fixture_set: fixtures.FixtureSet, cli: CliFn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     code, help_out, _ = cli("rescore", "--help")
     assert code == 0 and "--toy-mode" in help_out
     assert "toy: an in-memory sampler" in " ".join(help_out.split())
-    with fakes.serve(_reference_handler(fixture_set.spec)) as ref:
-        args = (
-            "rescore", "--dist-engine", "toy", "--fixture", str(fixture_set.dir),
-            "--reference-url", ref.url, "--seeds", "300", "--tokens", "4", "--top-k", "3",
-            "--json",
-        )  # fmt: skip
-        good_code, good_out, _ = cli(*args, "--toy-mode", "exact")
-        bad_code, bad_out, _ = cli(*args, "--toy-mode", "greedy")
+    args = (
+        "rescore", "--dist-engine", "toy", "--fixture", str(fixture_set.dir),
+        "--reference-url", route_clients(monkeypatch, _reference_handler(fixture_set.spec)),
+        "--seeds", "300", "--tokens", "4", "--top-k", "3", "--json",
+    )  # fmt: skip
+    good_code, good_out, _ = cli(*args, "--toy-mode", "exact")
+    bad_code, bad_out, _ = cli(*args, "--toy-mode", "greedy")
     assert good_code == 0, good_out
     good = json.loads(good_out)
     assert good["outcome"] == "ok" and good["results"][0]["verdict"] == "PRESERVED"
@@ -143,7 +143,7 @@ def test_a_token_outside_the_reference_support_is_named(
         return type(s)(s.seed, s.text[:3] if seed % 10 == 0 else s.text)
 
     monkeypatch.setattr(toy_engine.ToyEngine, "sample", short)
-    (r,) = _run(fixture_set, "exact").results
+    (r,) = _run(monkeypatch, fixture_set, "exact").results
     assert r.stats is not None and r.stats.verdict is Verdict.BROKEN
     assert r.stats.impossible == 30  # seeds 10, 20, ..., 300
     assert r.sampled_tokens == 1200  # three letters and the end of each short sample

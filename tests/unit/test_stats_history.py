@@ -15,7 +15,7 @@ import calibration
 from calibration import pool_preserving_bend
 from closed_form import Bend, draw
 from specaudit import distribution, fixtures, stats
-from specaudit.distribution import analysis
+from specaudit.distribution.dependence import history_positions
 from specaudit.distribution.sequential import MC_STOP_HITS
 from specaudit.distribution.truth import stratum_key
 from specaudit.stats import Verdict
@@ -76,13 +76,13 @@ def test_correct_engines_keep_the_history_tests_within_alpha() -> None:
     catch a grossly miscalibrated test; benchmarks/bench_calibration.py history-null measures
     the rate over 200 (docs/dist.md, "Calibration")."""
     rates = calibration.history_false_alarms(24)
-    assert len(rates) == 1 + len(analysis.history_positions(distribution.Truth(SPEC, WL)))
+    assert len(rates) == 1 + len(history_positions(distribution.Truth(SPEC, WL)))
     for rate in rates:
         assert rate.runs == 24 and rate.passed, rate.line()
 
 
 def test_the_history_test_runs_only_where_contexts_pool() -> None:
     truth = distribution.Truth(SPEC, WL)
-    assert analysis.history_positions(truth) == (3, 4)  # position 2: one letter, its own pool
+    assert history_positions(truth) == (3, 4)  # position 2: one letter, its own pool
     one = distribution.make_workload(SPEC, positions=2, joint=2)
-    assert analysis.history_positions(distribution.Truth(SPEC, one)) == ()
+    assert history_positions(distribution.Truth(SPEC, one)) == ()

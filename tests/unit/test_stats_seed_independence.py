@@ -12,7 +12,7 @@ from test_stats_history import SPEC, WL
 import calibration
 from closed_form import draw
 from specaudit import distribution, stats
-from specaudit.distribution import analysis
+from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.sequential import MC_STOP_HITS
 from specaudit.stats import Verdict
 
@@ -54,7 +54,7 @@ def test_pairs_are_counted_by_seed_whatever_the_arrival_order() -> None:
     truth = distribution.Truth(SPEC, WL)
     samples = [s for s in draw(truth, 300, np.random.default_rng(43)) if s.seed not in (100, 201)]
     order = np.random.default_rng(44).permutation(len(samples))
-    tally = analysis.Tally.of([samples[i] for i in order], WL)
+    tally = OutcomeCounts.of([samples[i] for i in order], WL)
     by_seed = {s.seed: s.text[: tally.pair_length] for s in samples}
     want: dict[tuple[str, str], int] = {}
     for s in by_seed:

@@ -95,6 +95,11 @@ class Settings:
     confidence: float = CONFIDENCE
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_ranges()
+
+    def _check_sizes(self) -> None:
+        """Seeds, tokens and the prompt: what each side samples."""
         if self.seeds < 1:
             raise ABError(f"--seeds must be at least 1 (got {self.seeds})")
         validate.integer(self.seeds, "--seeds", max=MAX_SEEDS, error=ABError)
@@ -104,6 +109,9 @@ class Settings:
         if not self.prompt:
             raise ABError("--prompt must not be empty")
         validate.text(self.prompt, "--prompt", error=ABError)
+
+    def _check_ranges(self) -> None:
+        """The sampler's settings, the seed range and the confidence, each in its range."""
         validate.integer(self.top_logprobs, "--top-k", max=validate.MAX_INT32, error=ABError)
         if self.sampler_top_k is not None:
             validate.integer(
@@ -416,78 +424,14 @@ def decide(
         confidence,
     )
 
-    # --- instrument fault
-    fault_reasons: list[str] = []
-    if plain.placeholder:
-        fault_reasons.append(
-            f"the plain side has {plain.placeholder} placeholders itself, so it is no reference"
-        )
-    if spec.coverage >= FAULT_MAX_COVERAGE:
-        fault_reasons.append(
-            f"spec coverage {spec.coverage:.0%} is not below {FAULT_MAX_COVERAGE:.0%}"
-        )
-    s_mean, p_mean = spec.naive_mean, plain.real_mean
-    if s_mean is None or p_mean is None:
-        fault_reasons.append("a side has no value to average")
-    elif abs(s_mean) > FAULT_MAX_RATIO * abs(p_mean):
-        fault_reasons.append(
-            f"the spec naive mean {s_mean:.4f} is not within {FAULT_MAX_RATIO:g}x of 0 "
-            f"relative to the plain real mean {p_mean:.4f}"
-        )
-    if fault_test.n < 2:
-        fault_reasons.append("fewer than 2 seeds with values on both sides: no test over seeds")
-    elif fault_test.p_value is None or fault_test.p_value >= ALPHA:
-        fault_reasons.append(
-            f"the spec naive mean is not closer to 0 beyond sampling error "
-            f"(one-sided paired t-test p = {fmt(fault_test.p_value, '.3g')})"
-        )
+    fault_reasons = _fault_reasons(plain, spec, fault_test)
     if not fault_reasons:
-        assert s_mean is not None and p_mean is not None
-        msg = (
-            f"instrument fault: the spec side's naive mean logprob ({s_mean:.4f}) is "
-            f"implausibly close to 0 next to the plain side's {p_mean:.4f}, and its coverage "
-            f"is {spec.coverage:.1%} ({spec.placeholder} of {spec.tokens} tokens are "
-            f"placeholders), so the difference comes from the tool, not the model"
+        return VerdictInfo(
+            ABVerdict.INSTRUMENT_FAULT, _fault_message(plain, spec), [], fault_test, agreement_test
         )
-        return VerdictInfo(ABVerdict.INSTRUMENT_FAULT, msg, [], fault_test, agreement_test)
-
-    # --- consistent
-    agree_reasons: list[str] = []
-    for s in (plain, spec):
-        if s.placeholder or s.unchecked or s.real < s.tokens:
-            agree_reasons.append(
-                f"the {s.side} side is not fully covered ({s.coverage:.1%} real, "
-                f"{s.placeholder} placeholders)"
-            )
-        if s.tokens == 0:
-            agree_reasons.append(f"the {s.side} side returned no tokens")
-    d = agreement_test
-    within_tolerance = d.mean is not None and abs(d.mean) <= AGREE_TOLERANCE
-    if d.n == 0:
-        agree_reasons.append("no seed has real values on both sides")
-    elif within_tolerance:
-        pass
-    elif d.n < 2:
-        agree_reasons.append(
-            f"one seed differs by {d.mean:+.4f} and cannot estimate sampling error"
-        )
-    elif d.p_value is None or d.p_value < ALPHA:
-        agree_reasons.append(
-            f"the real-only means differ beyond sampling error (Δ {d.mean:+.4f}, "
-            f"paired t-test p = {fmt(d.p_value, '.3g')})"
-        )
+    agree_reasons = _agreement_reasons(plain, spec, agreement_test)
     if not agree_reasons:
-        assert d.mean is not None
-        how = (
-            f"their per-seed means agree within {AGREE_TOLERANCE:g} nats/token"
-            if within_tolerance
-            else f"their per-seed means agree within sampling error (paired t-test p = "
-            f"{fmt(d.p_value, '.3g')})"
-        )
-        msg = (
-            f"consistent: both sides return a real logprob for every token, and {how} "
-            f"(Δ {d.mean:+.4f} over {d.n} seeds)"
-        )
+        msg = _consistent_message(agreement_test)
         return VerdictInfo(ABVerdict.CONSISTENT, msg, [], fault_test, agreement_test)
 
     reasons = [f"not an instrument fault: {r}" for r in fault_reasons] + [
@@ -499,6 +443,87 @@ def decide(
         + (agree_reasons[0] if agree_reasons else fault_reasons[0])
     )
     return VerdictInfo(ABVerdict.INCONCLUSIVE, headline, reasons, fault_test, agreement_test)
+
+
+def _fault_reasons(plain: SideSummary, spec: SideSummary, fault_test: Delta) -> list[str]:
+    """Why the difference is not (shown to be) the tool's placeholders; empty if it is."""
+    reasons: list[str] = []
+    if plain.placeholder:
+        reasons.append(
+            f"the plain side has {plain.placeholder} placeholders itself, so it is no reference"
+        )
+    if spec.coverage >= FAULT_MAX_COVERAGE:
+        reasons.append(f"spec coverage {spec.coverage:.0%} is not below {FAULT_MAX_COVERAGE:.0%}")
+    s_mean, p_mean = spec.naive_mean, plain.real_mean
+    if s_mean is None or p_mean is None:
+        reasons.append("a side has no value to average")
+    elif abs(s_mean) > FAULT_MAX_RATIO * abs(p_mean):
+        reasons.append(
+            f"the spec naive mean {s_mean:.4f} is not within {FAULT_MAX_RATIO:g}x of 0 "
+            f"relative to the plain real mean {p_mean:.4f}"
+        )
+    if fault_test.n < 2:
+        reasons.append("fewer than 2 seeds with values on both sides: no test over seeds")
+    elif fault_test.p_value is None or fault_test.p_value >= ALPHA:
+        reasons.append(
+            f"the spec naive mean is not closer to 0 beyond sampling error "
+            f"(one-sided paired t-test p = {fmt(fault_test.p_value, '.3g')})"
+        )
+    return reasons
+
+
+def _fault_message(plain: SideSummary, spec: SideSummary) -> str:
+    s_mean, p_mean = spec.naive_mean, plain.real_mean
+    assert s_mean is not None and p_mean is not None
+    return (
+        f"instrument fault: the spec side's naive mean logprob ({s_mean:.4f}) is "
+        f"implausibly close to 0 next to the plain side's {p_mean:.4f}, and its coverage "
+        f"is {spec.coverage:.1%} ({spec.placeholder} of {spec.tokens} tokens are "
+        f"placeholders), so the difference comes from the tool, not the model"
+    )
+
+
+def _within_tolerance(d: Delta) -> bool:
+    return d.mean is not None and abs(d.mean) <= AGREE_TOLERANCE
+
+
+def _agreement_reasons(plain: SideSummary, spec: SideSummary, d: Delta) -> list[str]:
+    """Why the sides' real values are not (shown to be) consistent; empty if they are."""
+    reasons: list[str] = []
+    for s in (plain, spec):
+        if s.placeholder or s.unchecked or s.real < s.tokens:
+            reasons.append(
+                f"the {s.side} side is not fully covered ({s.coverage:.1%} real, "
+                f"{s.placeholder} placeholders)"
+            )
+        if s.tokens == 0:
+            reasons.append(f"the {s.side} side returned no tokens")
+    if d.n == 0:
+        reasons.append("no seed has real values on both sides")
+    elif _within_tolerance(d):
+        pass
+    elif d.n < 2:
+        reasons.append(f"one seed differs by {d.mean:+.4f} and cannot estimate sampling error")
+    elif d.p_value is None or d.p_value < ALPHA:
+        reasons.append(
+            f"the real-only means differ beyond sampling error (Δ {d.mean:+.4f}, "
+            f"paired t-test p = {fmt(d.p_value, '.3g')})"
+        )
+    return reasons
+
+
+def _consistent_message(d: Delta) -> str:
+    assert d.mean is not None
+    how = (
+        f"their per-seed means agree within {AGREE_TOLERANCE:g} nats/token"
+        if _within_tolerance(d)
+        else f"their per-seed means agree within sampling error (paired t-test p = "
+        f"{fmt(d.p_value, '.3g')})"
+    )
+    return (
+        f"consistent: both sides return a real logprob for every token, and {how} "
+        f"(Δ {d.mean:+.4f} over {d.n} seeds)"
+    )
 
 
 def analyse(

@@ -1,6 +1,6 @@
 """`specaudit check URL [URL...] [--litellm-config FILE]`: are a running server's logprobs real,
 and does it speculate? One URL: the per-endpoint report; several (or a LiteLLM config): one
-row per deployment (`specaudit.fleet`)."""
+row per deployment (`specaudit.check.fleet`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from specaudit.check import CheckResult
-    from specaudit.fleet import FleetResult
+    from specaudit.check.fleet import FleetResult
 
 CHECK_EXIT_HELP = (
     "\b\nExit codes:\n"
@@ -165,7 +165,7 @@ def _fleet(
     kwargs: dict[str, Any],
     as_json: bool,
 ) -> None:
-    from specaudit import fleet
+    from specaudit.check import fleet
 
     deps = [fleet.Deployment(u, u, api_key) for u in urls]
     if config is not None:
@@ -225,7 +225,7 @@ def render(result: CheckResult, tokens_tables: bool = True) -> None:
     from rich.table import Table
 
     from specaudit.check import PROBE_LABELS
-    from specaudit.check_rows import endpoint_rows, token_rows
+    from specaudit.check.rows import endpoint_rows, token_rows
 
     if tokens_tables:
         for r in result.endpoints:

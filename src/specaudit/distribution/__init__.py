@@ -9,6 +9,9 @@ What is tested, for each engine:
 - every tested position t, conditionally on the tokens generated before it (contexts with the
   same true next-token distribution are pooled; they are interchangeable under the null);
 - the joint distribution of the first few positions;
+- a score test in the direction of the draft's distribution (the usual leak), each pool's
+  full history (is the token independent of which pooled prefix came before?), and
+  independence across consecutive seeds;
 - one verdict at a stated alpha: BROKEN if a Holm-corrected test rejects (or a token with true
   probability zero shows up), PRESERVED if nothing rejects and the data rule out a next-token
   TV distance above the tolerance at every position, INCONCLUSIVE otherwise.
@@ -16,25 +19,36 @@ What is tested, for each engine:
   e-process (BROKEN) and alpha-spending TV bounds (PRESERVED), and reports the samples used.
 
 Engines: llama-servers we spawn, one per verification path (`server`: no draft, greedy draft,
-probabilistic draft / rejection sampling, ngram-mod; `coverage`), any
-llama-server-compatible URL (`url`), any OpenAI-compatible /v1/completions server (`openai`,
-`dist.openai`; several URLs make a fleet), Hugging Face transformers' `generate()` with each
-candidate generator (`transformers`, `dist.hf`), and llama.cpp's `llama-speculative` example
-program run once per seed (`speculative-example`). See docs/dist.md and docs/engines.md.
+probabilistic draft / rejection sampling, ngram-mod and the other n-gram types, MTP (the
+target's MTP layer drafts, on the MTP fixture), EAGLE3 (the fixture's EAGLE3 head drafts) and
+replay (a draft on a Mamba target: the checkpoint replay path, on the replay fixture);
+`coverage`), any llama-server-compatible URL (`url`), any OpenAI-compatible /v1/completions
+server (`openai`, `dist.openai`; several URLs make a fleet), Hugging Face transformers'
+`generate()` with each candidate generator (`transformers`, `dist.hf`), OpenVINO GenAI's
+speculative pipeline on CPU (`openvino`, `dist.openvino`), and llama.cpp's `llama-speculative`
+example program run once per seed (`speculative-example`). See docs/dist.md and
+docs/engines.md.
 
 Modules: `results` (workload, samples, result records, defaults, `DistError`), `truth` (the
-closed-form ground truth), `analysis` (fixed-sample tests and verdict), `sequential` (early
-stopping), `engines` (what produces samples), `logflush` (llama-speculative's output read
-with llama.cpp's logger drained at exit), `driver` (sampling an engine, `measure`), `request`
-(`DistRequest`: every input checked once, by `make_request`), `registry` (engine name -> what
-it needs, its own options, how it is built from a request), `builtin` (the built-in engines'
-entries, `spawn_server`), `runner` (`run`: each engine built and measured), `coverage` (the
+closed-form ground truth), the fixed-sample analysis by concern: `counting` (samples counted
+as `OutcomeCounts`, the tables the tests read), `bounds` (certified TV bounds), `direction`
+(the score test toward the draft), `dependence` (full history, independence across seeds),
+`wording` (the verdict in words) and `analysis` (the tests run in order, Holm, the verdict);
+`sequential` (early stopping), `engines` (what produces samples), `logflush`
+(llama-speculative's output read with llama.cpp's logger drained at exit), `driver` (sampling
+an engine, `measure`), `request` (`DistRequest`: every input checked once, by
+`make_request`), `registry` (engine name -> what it needs, its own options, how it is built
+from a request; built-in engines and plug-ins register through one hook), `llamacpp`
+(llama.cpp's engines: server, speculative-example, url; `spawn_server`), `openai`, `hf`,
+`openvino` (those engines), `inprocess` (the life cycle of an engine run in-process: truth
+check, then sampling), `runner` (`run`: each engine built and measured), `coverage` (the
 verification paths run and not covered), `render` (tables, Markdown, the plot). The audit's
 section is `specaudit.audit.sections.dist`.
 """
 
-from specaudit.distribution import builtin, hf, registry
-from specaudit.distribution.analysis import Tally, analyze
+from specaudit.distribution import hf, llamacpp, registry
+from specaudit.distribution.analysis import analyze
+from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.coverage import (
     NOT_COVERED,
     PATH_ENGINES,
@@ -133,12 +147,12 @@ __all__ = [
     "ExampleEngine",
     "FleetEngine",
     "OpenAIEngine",
+    "OutcomeCounts",
     "ProgressFn",
     "Sample",
     "Sequential",
     "SequentialResult",
     "ServerEngine",
-    "Tally",
     "TestResult",
     "TokenRow",
     "Truth",
@@ -152,8 +166,8 @@ __all__ = [
     "engine_error",
     "evidence_cell",
     "fixture_model",
-    "builtin",
     "hf",
+    "llamacpp",
     "load_fixture",
     "make_request",
     "make_workload",

@@ -208,23 +208,20 @@ def check_paths(
             raise DistError(f"--path {p} needs --temperature > 0 ({REJECTION_NEEDS_TEMPERATURE})")
     for p in paths:
         if p not in kind_paths(kind):
-            if p in MTP_PATHS:
-                need = (
-                    "an mtp fixture (--fixture-kind mtp or mtp-context): only they have an "
-                    "MTP layer"
-                )
-            elif p in REPLAY_PATHS:
-                need = (
-                    "the replay fixture (--fixture-kind replay): only its Mamba target makes "
-                    "llama-server replay"
-                )
-            else:
-                need = (
-                    f"a fixture of another kind (the {kind} fixture runs "
-                    f"{', '.join(kind_paths(kind))})"
-                )
-            raise DistError(f"--path {p} needs {need}")
+            raise DistError(f"--path {p} needs {_fixture_for(p, kind)}")
     return tuple(dict.fromkeys(paths))
+
+
+def _fixture_for(path: str, kind: str) -> str:
+    """What `path` needs that a fixture of `kind` lacks, in words."""
+    if path in MTP_PATHS:
+        return "an mtp fixture (--fixture-kind mtp or mtp-context): only they have an MTP layer"
+    if path in REPLAY_PATHS:
+        return (
+            "the replay fixture (--fixture-kind replay): only its Mamba target makes "
+            "llama-server replay"
+        )
+    return f"a fixture of another kind (the {kind} fixture runs {', '.join(kind_paths(kind))})"
 
 
 def not_covered(paths: Sequence[str], temperature: float) -> list[tuple[str, str]]:

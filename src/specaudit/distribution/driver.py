@@ -2,7 +2,7 @@
 
 Bounded memory whatever the number of seeds: the seeds are read from their sequence (a
 `range` is never materialised), at most a few windows of samples are in flight or waiting
-for their turn, and consumed samples are only counted (`specaudit.distribution.analysis.Tally`).
+for their turn, and consumed samples are only counted (`distribution.counting.OutcomeCounts`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.distribution.analysis import Tally, analyze
+from specaudit.distribution.analysis import analyze
+from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.engines import Engine, engine_error
 from specaudit.distribution.results import (
     DEFAULT_ALPHA,
@@ -132,7 +133,7 @@ async def measure_async(
     progress: ProgressFn | None = None,
 ) -> EngineResult:
     truth = Truth(spec, workload)
-    tally = Tally.of((), workload)
+    tally = OutcomeCounts.of((), workload)
     total = len(seeds)
     report = progress or (lambda label, done, planned: None)
     seq = Sequential(truth, workload, alpha, tolerance, total) if sequential else None

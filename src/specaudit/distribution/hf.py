@@ -2,8 +2,9 @@
 
 The fixture is loaded the way transformers users load a GGUF (`from_pretrained(dir,
 gguf_file=...)`, with `gguf` and `accelerate` installed); before anything is sampled, the
-model's own next-token probabilities are compared with the closed form (`check_truth`) and a
-difference above `TRUTH_TOLERANCE` is an error, not a verdict.
+model's own next-token probabilities are compared with the closed form (`Models.check_truth`,
+the life cycle of `dist.inprocess`) and a difference above `TRUTH_TOLERANCE` is an error, not
+a verdict.
 
 The sampler knobs are mapped exactly. transformers applies temperature *before* top-k, top-p
 and min-p; llama.cpp's chain (which the closed form models) applies it last. The two agree
@@ -24,14 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-from dataclasses import dataclass
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
 
 from specaudit import fixtures
-from specaudit.distribution.results import DistError, Sample, Workload
-from specaudit.distribution.truth import encode_ids
+from specaudit.distribution.inprocess import InProcessEngine, Runtime, TruthCheck, one_line
+from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
+from specaudit.distribution.request import DistRequest
+from specaudit.distribution.results import DistError, Workload
 
 TRUTH_TOLERANCE = 1e-5  # max |transformers' probability - closed form| before sampling
 PROMPT_LOOKUP_TOKENS = 3  # prompt_lookup_num_tokens
@@ -77,24 +80,14 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-@dataclass
-class TruthCheck:
-    """transformers' next-token probabilities against the closed form, before sampling."""
+class Models(Runtime):
+    """The fixture's target and draft loaded through transformers' GGUF loader, once: the
+    transformers engine's runtime (`dist.inprocess`), one `TransformersEngine` per generator."""
 
-    contexts: int  # contexts compared (the prompt and every reachable generated prefix)
-    max_raw: float  # max |softmax(logits) - fixtures.raw_distribution| over the vocabulary
-    max_sampled: float  # max |processed distribution - fixtures.conditional_distribution|
-
-    def line(self) -> str:
-        return (
-            f"transformers next-token probabilities vs the closed form on {self.contexts} "
-            f"contexts: max |diff| {self.max_raw:.1e} (raw), {self.max_sampled:.1e} (after "
-            f"the sampler), tolerance {TRUTH_TOLERANCE:g}"
-        )
-
-
-class Models:
-    """The fixture's target and draft loaded through transformers' GGUF loader, once."""
+    name = "transformers"
+    variant_name = "generator"
+    variants = GENERATORS
+    not_runnable = NOT_RUNNABLE
 
     def __init__(self, fs: fixtures.FixtureSet) -> None:
         versions()
@@ -105,6 +98,7 @@ class Models:
         hf_logging.disable_progress_bar()
         torch.set_num_threads(1)  # the model is tiny; one core per engine
         self.fs = fs
+        self.spec = fs.spec
         d = str(fs.dir)
         try:
             with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader's own tqdm bar
@@ -112,9 +106,13 @@ class Models:
         except Exception as e:  # transformers raises many kinds; one line says which
             raise DistError(
                 f"transformers could not load fixture {fs.spec.name!r} from {d}: "
-                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                f"{type(e).__name__}: {one_line(e)}"
             ) from None
         self._check_tokenizer()
+
+    @staticmethod
+    def family() -> str:
+        return f"transformers {versions()['transformers']}"
 
     @staticmethod
     def _load(d: str) -> tuple[Any, Any, Any]:
@@ -137,6 +135,37 @@ class Models:
                 f"transformers' tokenizer maps {spec.prompt!r} to {list(ids)}, the fixture to "
                 f"{spec.tokenize(spec.prompt)}"
             )
+
+    def measure_truth(self, workload: Workload) -> TruthCheck:
+        """transformers' probabilities on the prompt and every reachable generated prefix
+        (`_contexts`), raw and after `generate()`'s own processors, against the closed form."""
+        import torch
+
+        spec = self.spec
+        max_raw = max_sampled = 0.0
+        ctxs = _contexts(spec, workload)
+        for prefix in ctxs:
+            ids = spec.tokenize(workload.prompt + prefix)
+            with torch.no_grad():
+                logits = self.target(torch.tensor([ids])).logits[0, -1].double()
+            raw = np.asarray(torch.softmax(logits, dim=-1).numpy())
+            want = np.array(
+                list(fixtures.raw_distribution(spec, workload.prompt + prefix).values())
+            )
+            got = processed_distribution(self, workload, ids, logits.float())
+            cond = fixtures.conditional_distribution(
+                spec, workload.prompt, prefix, workload.sampler
+            )
+            want_s = np.array(list(cond.values()))
+            max_raw = max(max_raw, float(np.abs(raw[: len(want)] - want).max()))
+            max_sampled = max(max_sampled, float(np.abs(got[: len(want_s)] - want_s).max()))
+        return TruthCheck(
+            "transformers", "next-token probabilities", "the closed form", len(ctxs),
+            "contexts", max_raw, max_sampled, "after the sampler", TRUTH_TOLERANCE,
+        )  # fmt: skip
+
+    def engine(self, variant: str, workload: Workload) -> TransformersEngine:
+        return TransformersEngine(self, workload, variant)
 
 
 def _native(s: fixtures.SamplerSettings) -> bool:
@@ -223,48 +252,15 @@ def _contexts(spec: fixtures.FixtureSpec, workload: Workload) -> list[str]:
     return out
 
 
-def check_truth(models: Models, workload: Workload) -> TruthCheck:
-    """Compare transformers' probabilities with the closed form; DistError beyond 1e-5."""
-    import torch
-
-    spec = models.fs.spec
-    max_raw = max_sampled = 0.0
-    ctxs = _contexts(spec, workload)
-    for prefix in ctxs:
-        ids = spec.tokenize(workload.prompt + prefix)
-        with torch.no_grad():
-            logits = models.target(torch.tensor([ids])).logits[0, -1].double()
-        raw = np.asarray(torch.softmax(logits, dim=-1).numpy())
-        want = np.array(list(fixtures.raw_distribution(spec, workload.prompt + prefix).values()))
-        got = processed_distribution(models, workload, ids, logits.float())
-        cond = fixtures.conditional_distribution(spec, workload.prompt, prefix, workload.sampler)
-        want_s = np.array(list(cond.values()))
-        max_raw = max(max_raw, float(np.abs(raw[: len(want)] - want).max()))
-        max_sampled = max(max_sampled, float(np.abs(got[: len(want_s)] - want_s).max()))
-    tc = TruthCheck(len(ctxs), max_raw, max_sampled)
-    if max(max_raw, max_sampled) > TRUTH_TOLERANCE:
-        raise DistError(f"{tc.line()}: transformers does not compute the fixture")
-    return tc
-
-
-class TransformersEngine:
+class TransformersEngine(InProcessEngine):
     """`generate()` with one candidate generator (`GENERATORS`), one sample per seed
     (`torch.manual_seed(seed)` first), counting drafted and accepted tokens from the
     candidate generator's own calls."""
 
     def __init__(self, models: Models, workload: Workload, generator: str) -> None:
-        if generator not in GENERATORS:
-            raise DistError(
-                f"unknown transformers generator {generator!r} (one of {', '.join(GENERATORS)})"
-            )
-        import transformers
-
+        super().__init__(models, workload, generator)
         self.models = models
-        self.workload = workload
         self.generator = generator
-        self.label = f"transformers {transformers.__version__} {generator}"
-        self.kind = f"transformers-{generator}"
-        self.concurrency = 1  # generate() is synchronous; the model is tiny
         self.drafted = 0
         self.accepted = 0
         self._ids = models.fs.spec.tokenize(workload.prompt)
@@ -331,48 +327,62 @@ class TransformersEngine:
             )
         return [int(t) for t in out[0, len(self._ids) :]]
 
-    async def sample(self, seed: int) -> Sample:
+    def draw(self, seed: int) -> tuple[list[int], int | None, int | None]:
         d0, a0 = self.drafted, self.accepted
-        try:
-            ids = self.generate(seed)
-        except DistError:
-            raise
-        except Exception as e:  # a transformers failure on one seed: one line, with the seed
-            raise DistError(
-                f"{self.label}: generate() failed on seed {seed}: {type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}"
-            ) from None
-        text = encode_ids(ids, self.workload.tokens, self.models.fs.spec)
-        return Sample(seed, text, self.drafted - d0, self.accepted - a0)
-
-    async def aclose(self) -> None:
-        return None
+        ids = self.generate(seed)
+        return ids, self.drafted - d0, self.accepted - a0
 
 
-def engines(
-    fs: fixtures.FixtureSet, workload: Workload, generators: tuple[str, ...] = GENERATORS
-) -> tuple[list[TransformersEngine], TruthCheck]:
-    """One engine per generator on one set of models, after the truth check passed."""
-    for g in generators:
-        if g not in GENERATORS:
-            raise DistError(
-                f"unknown transformers generator {g!r} (one of {', '.join(GENERATORS)})"
-            )
-    models = Models(fs)
-    tc = check_truth(models, workload)
-    return [TransformersEngine(models, workload, g) for g in dict.fromkeys(generators)], tc
+# ------------------------------------------------------------------------ registration
+
+
+def _check(req: DistRequest) -> None:
+    if req.workload.sampler.temperature <= 0:
+        raise DistError("--engine transformers samples: --temperature must be > 0")
+    versions()  # the extra is installed, or a one-line error now
+
+
+def _build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    generators = Models.check_variants(req.option("generators") or GENERATORS)
+    yield from Models(req.fixture).units(req.workload, generators, ctx)
+
+
+TRANSFORMERS = EngineEntry(
+    "transformers",
+    _build,
+    help="Hugging Face generate() with speculative decoding on CPU (--generator; needs "
+    "specaudit[transformers])",
+    extra="transformers",
+    options=(
+        EngineOption(
+            "--generator",
+            "generators",
+            GENERATORS,
+            "Candidate generator(s) of --engine transformers, repeatable [default: all]: "
+            + "; ".join(f"{g}: {h}" for g, h in GENERATOR_HELP.items())
+            + ".",
+        ),
+    ),
+    check=_check,
+    audit=True,
+    row=Models.row,
+)
+
+
+def register_engines(register: Register) -> None:
+    """The registry's hook (`dist.registry.BUILTIN`)."""
+    register(TRANSFORMERS)
 
 
 __all__ = [
     "GENERATORS",
     "GENERATOR_HELP",
     "NOT_RUNNABLE",
+    "TRANSFORMERS",
     "TRUTH_TOLERANCE",
     "Models",
     "TransformersEngine",
-    "TruthCheck",
-    "check_truth",
-    "engines",
     "generation_kwargs",
+    "register_engines",
     "versions",
 ]

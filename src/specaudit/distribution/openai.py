@@ -11,13 +11,15 @@ nothing either way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from specaudit import fixtures
 from specaudit.client import AsyncClient, Client, ClientError
 from specaudit.distribution.engines import SAMPLER_CHAIN, Engine
+from specaudit.distribution.registry import EngineEntry, Register, RunContext, Unit
+from specaudit.distribution.request import DistRequest
 from specaudit.distribution.results import DistError, Sample, Workload
 from specaudit.distribution.truth import encode_text
 
@@ -176,4 +178,43 @@ class FleetEngine:
         await asyncio.gather(*(m.aclose() for m in self.members), return_exceptions=True)
 
 
-__all__ = ["DEFAULT_CONCURRENCY", "FleetEngine", "OpenAIEngine", "fixture_model"]
+def fleet(members: Sequence[Engine]) -> Engine:
+    """One engine, or a fleet that spreads the seeds over identical servers (`--concurrency`
+    is per server)."""
+    return members[0] if len(members) == 1 else FleetEngine(list(members))
+
+
+def _build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    spec, wl = req.fixture.spec, req.workload
+    yield Unit(
+        fleet(
+            [
+                OpenAIEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
+                for u in req.urls
+            ]
+        )
+    )
+
+
+OPENAI = EngineEntry(
+    "openai",
+    _build,
+    help="a running OpenAI-compatible server (--url, /v1/completions)",
+    url=True,
+)
+
+
+def register_engines(register: Register) -> None:
+    """The registry's hook (`dist.registry.BUILTIN`)."""
+    register(OPENAI)
+
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "OPENAI",
+    "FleetEngine",
+    "OpenAIEngine",
+    "fixture_model",
+    "fleet",
+    "register_engines",
+]

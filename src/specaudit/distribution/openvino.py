@@ -5,7 +5,8 @@ OpenVINO GenAI has no OpenAI server on PyPI, so it is audited in-process, the wa
 written, so the fixture is converted first (`fixtures.openvino.convert`: F16 weights, a
 ``gpt2`` tokenizer, the draft as an IR folder) and every verdict is against the closed form of
 the *converted* weights (`fixtures.openvino.f16_spec`). Before anything is sampled, the plain
-pipeline's log-probabilities are compared with that closed form (`check_truth`).
+pipeline's log-probabilities are compared with that closed form (`Pipelines.check_truth`, the
+life cycle of `dist.inprocess`).
 
 Paths (`PATHS`): ``plain`` (no draft), ``draft`` (a draft model; with sampling, OpenVINO
 verifies by its speculative-sampling rule) and ``prompt-lookup`` (n-grams of the context). One
@@ -39,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from specaudit import fixtures
-from specaudit.distribution.registry import EngineEntry, EngineOption, RunContext, Unit, register
+from specaudit.distribution.inprocess import InProcessEngine, Runtime, TruthCheck, one_line
+from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
-from specaudit.distribution.results import DistError, Sample, Workload
-from specaudit.distribution.truth import encode_ids
+from specaudit.distribution.results import DistError, Workload
 from specaudit.fixtures import openvino as ov_fixtures
 
 PATHS = ("plain", "draft", "prompt-lookup")
@@ -75,10 +76,6 @@ def versions() -> dict[str, str]:
     except ImportError as e:
         raise DistError(f"--engine openvino needs openvino-genai ({EXTRA_HINT}): {e}") from None
     return {"openvino": openvino.__version__, "openvino-genai": openvino_genai.__version__}
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    return " ".join(str(e).split())[:limit]
 
 
 def check_sampler(s: fixtures.SamplerSettings) -> None:
@@ -136,7 +133,7 @@ def open_pipeline(target: str | Path, path: str, draft: str | Path | None = None
         try:
             props["draft_model"] = ovg.draft_model(str(ir), "CPU", **PROPERTIES)
         except Exception as e:  # OpenVINO raises RuntimeError with multi-line text
-            raise DistError(f"OpenVINO could not read draft {str(ir)!r}: {_one_line(e)}") from None
+            raise DistError(f"OpenVINO could not read draft {str(ir)!r}: {one_line(e)}") from None
     elif path == "prompt-lookup":
         props["prompt_lookup"] = True
     sc = ovg.SchedulerConfig()
@@ -146,7 +143,7 @@ def open_pipeline(target: str | Path, path: str, draft: str | Path | None = None
     except Exception as e:
         what = {"plain": "", "draft": " with a draft", "prompt-lookup": " with prompt lookup"}
         raise DistError(
-            f"OpenVINO could not load {str(target)!r}{what[path]}: {_one_line(e)}"
+            f"OpenVINO could not load {str(target)!r}{what[path]}: {one_line(e)}"
         ) from None
 
 
@@ -208,10 +205,16 @@ def run_requests(pipe: Any, prompt_ids: Sequence[int], configs: Sequence[Any]) -
     return out
 
 
-class Pipelines:
-    """The converted fixture and one pipeline per path, each loaded on first use (`engines`
-    runs `check_truth` on them before anything is sampled). `target`: another model file to
-    load instead of the converted target (the fixture still gives the prompt and the truth)."""
+class Pipelines(Runtime):
+    """The converted fixture and one pipeline per path, each loaded on first use: the openvino
+    engine's runtime (`dist.inprocess`), one `OpenVINOEngine` per path. `target`: another model
+    file to load instead of the converted target (the fixture still gives the prompt and the
+    truth). `logprobs`: the `GenerationConfig.logprobs` of the engines' requests."""
+
+    name = "openvino"
+    variant_name = "path"
+    variants = PATHS
+    not_runnable = NOT_RUNNABLE
 
     def __init__(
         self,
@@ -219,6 +222,7 @@ class Pipelines:
         out_dir: str | Path | None = None,
         *,
         target: str | Path | None = None,
+        logprobs: int = 0,
     ) -> None:
         versions()
         try:
@@ -227,49 +231,66 @@ class Pipelines:
             raise DistError(str(e)) from None
         self.spec = self.converted.spec
         self.target = Path(target) if target is not None else self.converted.target
+        self.logprobs = logprobs
         self._pipes: dict[str, Any] = {}
+
+    @staticmethod
+    def family() -> str:
+        return f"openvino-genai {versions()['openvino-genai'].split('-')[0]}"
 
     def get(self, path: str) -> Any:
         if path not in self._pipes:
             self._pipes[path] = open_pipeline(self.target, path, self.converted.draft)
         return self._pipes[path]
 
+    def measure_truth(self, workload: Workload, seeds: int = 16) -> TruthCheck:
+        """Sample `seeds` requests on the plain path twice (logprobs 1 and 0) and compare
+        every reported value with the closed form."""
+        check_sampler(workload.sampler)
+        spec, pipe = self.spec, self.get("plain")
+        ids = spec.tokenize(workload.prompt)
+        errs = {}
+        n = 0
+        for lp, kind in ((1, "raw"), (0, "processed")):
+            cfgs = [
+                generation_config(workload, "plain", s, logprobs=lp) for s in range(1, seeds + 1)
+            ]
+            worst = 0.0
+            for o in run_requests(pipe, ids, cfgs):
+                for want, got in zip(
+                    _truths(spec, workload, o.ids, kind), o.logprobs, strict=False
+                ):
+                    worst = max(worst, abs(math.exp(got) - want))
+                    n += 1
+            errs[kind] = worst
+        return TruthCheck(
+            "OpenVINO", "probabilities (plain, f32)", "the closed form of the F16 weights",
+            n // 2, "tokens", errs["raw"], errs["processed"], "processed", TRUTH_TOLERANCE,
+        )  # fmt: skip
 
-@dataclass
-class TruthCheck:
-    """OpenVINO's log-probabilities on the plain path against the closed form, before sampling."""
+    def engine(self, variant: str, workload: Workload) -> OpenVINOEngine:
+        return OpenVINOEngine(self, workload, variant, self.logprobs)
 
-    tokens: int  # generated tokens compared (raw and processed values each)
-    max_raw: float  # max |exp(reported) - raw closed form| (logprobs=1)
-    max_processed: float  # max |exp(reported) - processed closed form| (logprobs=0)
+    def findings(self, engine: InProcessEngine, workload: Workload) -> list[str]:
+        """A path's logprob fidelity and reproducibility (`path_findings`), and what its
+        counters said."""
+        assert isinstance(engine, OpenVINOEngine)
+        out = [path_findings(self, workload, engine.path)[2]]
+        if engine.inconsistent:
+            out.append(
+                f"{engine.label}: OpenVINO's counters said accepted > drafted on "
+                f"{engine.inconsistent} requests (its SDPerModelsPerfMetrics, reported as given)"
+            )
+        if engine.path == "prompt-lookup":
+            out.append(
+                f"{engine.label}: OpenVINO reports no drafted/accepted counts; its per-step "
+                f"token counts (PerfMetrics) show {engine.extra_tokens} tokens beyond one per "
+                f"step on {engine.multi_token_requests} requests (accepted lookups)"
+            )
+        return out
 
-    def line(self) -> str:
-        return (
-            f"OpenVINO probabilities (plain, f32) vs the closed form of the F16 weights on "
-            f"{self.tokens} tokens: max |diff| {self.max_raw:.1e} (raw), "
-            f"{self.max_processed:.1e} (processed), tolerance {TRUTH_TOLERANCE:g}"
-        )
-
-
-def check_truth(pipes: Pipelines, workload: Workload, seeds: int = 16) -> TruthCheck:
-    """Sample `seeds` requests on the plain path twice (logprobs 1 and 0) and compare every
-    reported value with the closed form; DistError beyond `TRUTH_TOLERANCE`."""
-    spec, pipe = pipes.spec, pipes.get("plain")
-    ids = spec.tokenize(workload.prompt)
-    errs = {}
-    n = 0
-    for lp, kind in ((1, "raw"), (0, "processed")):
-        cfgs = [generation_config(workload, "plain", s, logprobs=lp) for s in range(1, seeds + 1)]
-        worst = 0.0
-        for o in run_requests(pipe, ids, cfgs):
-            for want, got in zip(_truths(spec, workload, o.ids, kind), o.logprobs, strict=False):
-                worst = max(worst, abs(math.exp(got) - want))
-                n += 1
-        errs[kind] = worst
-    tc = TruthCheck(n // 2, errs["raw"], errs["processed"])
-    if max(errs.values()) > TRUTH_TOLERANCE:
-        raise DistError(f"{tc.line()}: OpenVINO does not compute the fixture")
-    return tc
+    def close(self) -> None:
+        self._pipes.clear()  # each pipeline holds its compiled model and KV cache
 
 
 def _truths(
@@ -296,22 +317,16 @@ def _truths(
     return out
 
 
-class OpenVINOEngine:
+class OpenVINOEngine(InProcessEngine):
     """One path of OpenVINO GenAI, one request per seed (``rng_seed`` = seed) through
     `ContinuousBatchingPipeline.generate`, which also returns the request's speculative
     decoding metrics."""
 
     def __init__(self, pipes: Pipelines, workload: Workload, path: str, logprobs: int = 0) -> None:
-        import openvino_genai as ovg
-
+        super().__init__(pipes, workload, path, ", logprobs=1" if logprobs else "")
         self.pipes = pipes
-        self.workload = workload
         self.path = path
         self.logprobs = logprobs
-        lp = ", logprobs=1" if logprobs else ""
-        self.label = f"openvino-genai {ovg.__version__.split('-')[0]} {path}{lp}"
-        self.kind = f"openvino-{path}"
-        self.concurrency = 1  # generate() is synchronous; the model is tiny
         self.pipe = pipes.get(path)
         self._ids = pipes.spec.tokenize(workload.prompt)
         self.inconsistent = 0  # requests whose counters say accepted > drafted
@@ -320,7 +335,7 @@ class OpenVINOEngine:
         self.multi_token_requests = 0
         self.extra_tokens = 0
 
-    def generate(self, seed: int) -> tuple[list[int], int | None, int | None]:
+    def draw(self, seed: int) -> tuple[list[int], int | None, int | None]:
         """Generated ids and (drafted, accepted) as OpenVINO reports them (None: not reported)."""
         cfg = generation_config(self.workload, self.path, seed, logprobs=self.logprobs)
         r = self.pipe.generate([_ids_tensor(self._ids)], [cfg])[0]
@@ -336,22 +351,6 @@ class OpenVINOEngine:
         if accepted > drafted:
             self.inconsistent += 1
         return ids, drafted, accepted
-
-    async def sample(self, seed: int) -> Sample:
-        try:
-            ids, drafted, accepted = self.generate(seed)
-        except DistError:
-            raise
-        except Exception as e:  # an OpenVINO failure on one seed: one line, with the seed
-            raise DistError(
-                f"{self.label}: generate() failed on seed {seed}: {_one_line(e, 200)}"
-            ) from None
-        return Sample(
-            seed, encode_ids(ids, self.workload.tokens, self.pipes.spec), drafted, accepted
-        )
-
-    async def aclose(self) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------- fidelity
@@ -509,24 +508,6 @@ def check(req: DistRequest) -> None:
     versions()
 
 
-def engines(
-    fs: fixtures.FixtureSet,
-    workload: Workload,
-    paths: Sequence[str] = PATHS,
-    *,
-    logprobs: int = 0,
-    out_dir: str | Path | None = None,
-) -> tuple[Pipelines, list[OpenVINOEngine], TruthCheck]:
-    """One engine per path on one converted fixture, after the truth check passed."""
-    for p in paths:
-        if p not in PATHS:
-            raise DistError(f"unknown openvino path {p!r} (one of {', '.join(PATHS)})")
-    check_sampler(workload.sampler)
-    pipes = Pipelines(fs, out_dir)
-    tc = check_truth(pipes, workload)
-    return pipes, [OpenVINOEngine(pipes, workload, p, logprobs) for p in dict.fromkeys(paths)], tc
-
-
 FINDING_SEEDS = 50  # seeds of the fidelity and reproducibility checks `dist` adds per path
 
 
@@ -543,55 +524,45 @@ def path_findings(
 
 
 def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
-    paths = req.option("ov_paths") or PATHS
+    paths = Pipelines.check_variants(req.option("ov_paths") or PATHS)
     logprobs = int((req.option("ov_logprobs") or ("0",))[-1])
-    pipes, engs, tc = engines(req.fixture, req.workload, paths, logprobs=logprobs)
-    ctx.notes.append(tc.line())
-    ctx.not_covered.extend(NOT_RUNNABLE)
-    for eng in engs:
-        yield Unit(eng, path=None, spec=pipes.spec)
-        ctx.notes.append(path_findings(pipes, req.workload, eng.path)[2])
-        if eng.inconsistent:
-            ctx.notes.append(
-                f"{eng.label}: OpenVINO's counters said accepted > drafted on "
-                f"{eng.inconsistent} requests (its SDPerModelsPerfMetrics, reported as given)"
-            )
-        if eng.path == "prompt-lookup":
-            ctx.notes.append(
-                f"{eng.label}: OpenVINO reports no drafted/accepted counts; its per-step token "
-                f"counts (PerfMetrics) show {eng.extra_tokens} tokens beyond one per step on "
-                f"{eng.multi_token_requests} requests (accepted lookups)"
-            )
+    yield from Pipelines(req.fixture, logprobs=logprobs).units(req.workload, paths, ctx)
 
 
-OPENVINO = register(
-    EngineEntry(
-        "openvino",
-        build,
-        help="OpenVINO GenAI's ContinuousBatchingPipeline on CPU, on the fixture converted to "
-        "F16 (--ov-path; needs specaudit[openvino])",
-        extra="openvino",
-        options=(
-            EngineOption(
-                "--ov-path",
-                "ov_paths",
-                PATHS,
-                "Path(s) of --engine openvino, repeatable [default: all]: "
-                + "; ".join(f"{p}: {h}" for p, h in PATH_HELP.items())
-                + ".",
-            ),
-            EngineOption(
-                "--ov-logprobs",
-                "ov_logprobs",
-                ("0", "1"),
-                "GenerationConfig.logprobs of --engine openvino's requests [default: 0]; 1 "
-                "makes OpenVINO keep raw log-probabilities, which its speculative sampling "
-                "then uses.",
-            ),
+OPENVINO = EngineEntry(
+    "openvino",
+    build,
+    help="OpenVINO GenAI's ContinuousBatchingPipeline on CPU, on the fixture converted to "
+    "F16 (--ov-path; needs specaudit[openvino])",
+    extra="openvino",
+    options=(
+        EngineOption(
+            "--ov-path",
+            "ov_paths",
+            PATHS,
+            "Path(s) of --engine openvino, repeatable [default: all]: "
+            + "; ".join(f"{p}: {h}" for p, h in PATH_HELP.items())
+            + ".",
         ),
-        check=check,
-    )
+        EngineOption(
+            "--ov-logprobs",
+            "ov_logprobs",
+            ("0", "1"),
+            "GenerationConfig.logprobs of --engine openvino's requests [default: 0]; 1 "
+            "makes OpenVINO keep raw log-probabilities, which its speculative sampling "
+            "then uses.",
+        ),
+    ),
+    check=check,
+    audit=True,
+    row=Pipelines.row,
 )
+
+
+def register_engines(register: Register) -> None:
+    """The registry's hook (`dist.registry.BUILTIN`)."""
+    register(OPENVINO)
+
 
 __all__ = [
     "ASSISTANT_TOKENS",
@@ -609,17 +580,15 @@ __all__ = [
     "Output",
     "Pipelines",
     "Reproducibility",
-    "TruthCheck",
     "check",
     "check_sampler",
-    "check_truth",
     "classify",
     "draft_model_dir",
-    "engines",
     "fidelity",
     "generation_config",
     "open_pipeline",
     "path_findings",
+    "register_engines",
     "reproducibility",
     "run_requests",
     "score_outputs",

@@ -1,7 +1,7 @@
 """Orchestration: run a checked `DistRequest`, engine by engine, and collect one result.
 
 The request was checked when it was built (`dist.request.make_request`); each engine is built
-from it by its registry entry (`dist.registry`, built-ins in `dist.builtin`) and measured here.
+from it by its registry entry (`dist.registry`, built-ins and plug-ins alike) and measured here.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 
 from specaudit.distribution import registry
-from specaudit.distribution.builtin import DRAFT_SAMPLING, PATHS, spawn_server
 from specaudit.distribution.driver import measure
 from specaudit.distribution.engines import MAX_CONCURRENCY
+from specaudit.distribution.llamacpp import DRAFT_SAMPLING, PATHS, spawn_server
 from specaudit.distribution.render import plot_results
 from specaudit.distribution.request import (
     DEFAULT_TIMEOUT,

@@ -24,14 +24,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.distribution.analysis import (
-    Tally,
-    analyze,
-    certified_bounds,
-    draft_score,
-    evidence_sentence,
-    family_size,
-)
+from specaudit.distribution.analysis import analyze, family_size
+from specaudit.distribution.bounds import certified_bounds
+from specaudit.distribution.counting import OutcomeCounts
+from specaudit.distribution.direction import draft_score
 from specaudit.distribution.results import (
     DEFAULT_ALPHA,
     DEFAULT_TOLERANCE,
@@ -42,6 +38,7 @@ from specaudit.distribution.results import (
     Workload,
 )
 from specaudit.distribution.truth import Truth, describe, encode_text, stratum_key
+from specaudit.distribution.wording import evidence_sentence
 from specaudit.stats import Verdict
 
 SEQUENTIAL_FIRST_LOOK = 25  # interim looks at 25, 50, 100, 200, ... samples, and at the last
@@ -98,7 +95,7 @@ class Sequential:
         self.directed = stats.DirectedEProcess()
         self.e_threshold = 1.0 / (E_SHARE * alpha)
         self.look_level: float | None = None  # the level of the look that rejected
-        self.tally = Tally.of((), workload)  # the TV bounds' data (distinct texts only)
+        self.tally = OutcomeCounts.of((), workload)  # the TV bounds' data (distinct texts only)
         self.evidence: list[ImpossibleOutcome] = []
         self.looks = 0
         self.next_look = SEQUENTIAL_FIRST_LOOK

@@ -147,13 +147,6 @@ def encode_ids(ids: Sequence[int], tokens: int, spec: fixtures.FixtureSpec) -> s
     return "".join(out)
 
 
-def check_text(text: str, tokens: int, spec: fixtures.FixtureSpec, engine: str) -> str:
-    """`encode_text` (the old name: text that is not `tokens` fixture letters is no longer an
-    error but outcomes of probability 0, judged by the analysis). `engine` is unused."""
-    del engine
-    return encode_text(text, tokens, spec)
-
-
 def describe(ch: str, spec: fixtures.FixtureSpec) -> str:
     """One outcome for people: the letter, '</s>', '<end>', '<other>' (an id outside the
     vocabulary), or text that is no fixture token, quoted ("'H'")."""
@@ -162,4 +155,4 @@ def describe(ch: str, spec: fixtures.FixtureSpec) -> str:
     return repr(ch)
 
 
-__all__ = ["Truth", "check_text", "describe", "encode_ids", "encode_text", "stratum_key"]
+__all__ = ["Truth", "describe", "encode_ids", "encode_text", "stratum_key"]

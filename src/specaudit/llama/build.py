@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,12 +101,19 @@ def entry_dir(build: int, patches: tuple[Patch, ...] = ()) -> Path:
     return llama_dir() / f"b{build}-{variant_name(patches)}"
 
 
-def _values(patches: tuple[Patch, ...]) -> tuple[Patch, ...]:
-    """`patches`, or TypeError for anything but `Patch` values: text is resolved once, where
-    the user typed it (`specaudit.llama.patches.resolve`), never again here."""
-    if isinstance(patches, str) or not all(isinstance(p, Patch) for p in patches):
-        raise TypeError("patches must be Patch values (specaudit.llama.patches.resolve)")
-    return tuple(patches)
+def _values(patches: object) -> tuple[Patch, ...]:
+    """`patches` as a tuple, or TypeError for anything but `Patch` values: text is resolved
+    once, where the user typed it (`specaudit.llama.patches.resolve`), never again here. Typed
+    `object`: the check is for callers the type checker does not see (a library user passing
+    a name)."""
+    wrong = TypeError("patches must be Patch values (specaudit.llama.patches.resolve)")
+    if isinstance(patches, str) or not isinstance(patches, Iterable):
+        raise wrong
+    items = tuple(patches)
+    values = tuple(p for p in items if isinstance(p, Patch))
+    if len(values) != len(items):
+        raise wrong
+    return values
 
 
 def _external() -> LlamaBinaries | None:

@@ -20,7 +20,6 @@ from specaudit.llama.server import LlamaServer
 MODELS = (
     "fixture", "fixture-context", "fixture-mtp", "fixture-mtp-context", "fixture-replay", "gemma",
 )  # fmt: skip
-VARIANTS = ("stock", "patched")
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
 DEFAULT_SPEC_TYPE = "draft-simple"

@@ -2,13 +2,17 @@
 
 Why: `dist` proves things about fixtures with a closed form; nobody can load a fixture into the
 server they run in production. Here every token an engine samples is re-scored by a
-*reference*: the same model file served without speculation, asked for its processed
-next-token distribution given the exact token-id prefix. `records` holds the per-token value
-every part shares (the sampler fills it, the statistics and the fidelity check read it).
+*reference* (`specaudit.reference`): the same model file served without speculation, asked for
+its processed next-token distribution given the exact token-id prefix. `records` holds the
+per-token value every part shares (the sampler fills it, the statistics read it); `sampling`
+draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: a token
+the reference forbids is BROKEN on its own, otherwise three tests (`analysis.TESTS`: KS of the
+PIT values, the draft's favourite, per-prefix G) are Bonferroni-combined, or with `sequential`
+an anytime-valid e-process decides.
 """
 
 from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms
-from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.runner import (
     DEFAULT_PROMPTS,
     RescoreRequest,
@@ -19,7 +23,6 @@ from specaudit.rescore.runner import (
 
 __all__ = [
     "DEFAULT_PROMPTS",
-    "NextToken",
     "RescoreError",
     "RescoreRequest",
     "RescoreResult",

@@ -9,11 +9,11 @@ speculation makes (accepting the draft's token too often, keeping a rejected dra
 residual that is not p - q) move mass toward the favourite or between the likely and the
 unlikely tokens, which moves u toward one end of [0, 1], where a KS test is strongest.
 
-The decision uses four pieces of evidence, Bonferroni-combined at level alpha:
-impossible tokens (x outside the reference's support), the KS test of the u values
-(`scipy.stats.kstest`), a directed test of how often x is the draft's favourite (exact
-Poisson-binomial tail), and per-prefix G-tests where prefixes repeat
-(`scipy.stats.power_divergence`). The anytime-valid form is a mixture e-process (a
+The decision: an impossible token (x outside the reference's support) is BROKEN on its own,
+with certainty; otherwise three tests (`TESTS`), Bonferroni-combined at level alpha, each at
+alpha / len(TESTS): the KS test of the u values (`scipy.stats.kstest`), a directed test of how
+often x is the draft's favourite (exact Poisson-binomial tail), and per-prefix G-tests where
+prefixes repeat (`scipy.stats.power_divergence`). The anytime-valid form is a mixture e-process (a
 Dirichlet-multinomial Bayes factor on the u histogram, averaged with a betting martingale on
 the favourite), valid at every look.
 """
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special, stats
 
-from specaudit.rescore.records import NextToken, RescoreError, TokenDraw
+from specaudit.reference import NextToken
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
 DEFAULT_ALPHA = 0.01
@@ -39,6 +40,13 @@ MAX_DETECTABLE = 0.2
 HIST_BINS = 8  # u histogram of the e-process
 BET_FRACTIONS = (0.05, 0.1, 0.2, 0.4, 0.8)  # the favourite martingale's mixture
 G_MIN_DRAWS = 20  # a prefix enters the per-prefix G-tests with at least this many draws
+# the fixed-N tests the verdict combines (Bonferroni: each at `each_test_level`)
+TESTS = ("KS of the PIT values", "the draft's favourite", "per-prefix G")
+
+
+def each_test_level(alpha: float) -> float:
+    """The level of each of `TESTS`, so that together they keep alpha (Bonferroni)."""
+    return alpha / len(TESTS)
 
 
 def order(nt: NextToken, favourite: int | None) -> list[int]:
@@ -172,9 +180,10 @@ class RescoreStats:
 
 def check_enough(tokens: int, alpha: float = DEFAULT_ALPHA) -> None:
     """Refuse, before anything is sampled, a run too small to decide (one line, exit 2)."""
-    d = ks_detectable(tokens, alpha / 3)
+    level = each_test_level(alpha)
+    d = ks_detectable(tokens, level)
     if d > MAX_DETECTABLE:
-        need = next(n for n in range(tokens, 100_000) if ks_detectable(n, alpha / 3) <= 0.2)
+        need = next(n for n in range(tokens, 100_000) if ks_detectable(n, level) <= MAX_DETECTABLE)
         raise RescoreError(
             f"{tokens} sampled tokens are too few to decide: the test could not even see "
             f"{d:.0%} of the probability mass moved (need at least {need} tokens: more seeds, "
@@ -193,46 +202,22 @@ def analyse(
     `seed` (fixed: the same draws give the same verdict). `sequential`: the anytime-valid
     form decides (the e-process against 1/alpha, valid however often it was looked at); the
     fixed-N tests are then reported, not used."""
-    rng = np.random.default_rng(seed)
-    v = rng.random(len(draws))
-    us: list[float] = []
-    u_all: list[float] = []
-    pos_u: dict[int, list[float]] = defaultdict(list)
-    impossible = 0
-    hits, pf = [], []
-    for d, vi in zip(draws, v, strict=True):
-        u = pit(d, float(vi))
-        fav = favourite_of(d)
-        hits.append(1.0 if d.token == fav else 0.0)
-        pf.append(d.ref.probs.get(fav, 0.0) / sum(d.ref.probs.values()))
-        if u is None:
-            impossible += 1
-            u_all.append(math.nan)
-            continue
-        us.append(u)
-        u_all.append(u)
-        pos_u[d.position].append(u)
+    pits = _Pits.of(draws, seed)
     n = len(draws)
-    level = alpha / 3
-    u_arr = np.array(us)
-    ks_p = float(stats.kstest(u_arr, "uniform").pvalue) if len(us) else 1.0
+    level = each_test_level(alpha)
+    us = pits.u
+    ks_p = float(stats.kstest(np.array(us), "uniform").pvalue) if len(us) else 1.0
     per_pos = {
-        p: float(stats.kstest(np.array(x), "uniform").pvalue) for p, x in sorted(pos_u.items())
+        p: float(stats.kstest(np.array(x), "uniform").pvalue)
+        for p, x in sorted(pits.by_position.items())
     }
-    h, ps = np.array(hits), np.array(pf)
+    h, ps = np.array(pits.hits), np.array(pits.favourite_p)
     k = int(h.sum())
     directed_p = poisson_binomial_sf(k, ps) if n else 1.0
     prefix_tests = _prefix_tests(draws)
     m = len(prefix_tests)
     g_p = min(1.0, min((t.p_value for t in prefix_tests), default=1.0) * m) if m else 1.0
-    # the average of two e-processes is one: its running maximum against 1/alpha is valid
-    if n:
-        both = np.logaddexp(hist_log_e(np.array(u_all)), bet_log_e(h, ps)) - math.log(2)
-        e_value = math.exp(min(float(np.max(both)), 700.0))
-        over = np.nonzero(both >= math.log(1 / alpha))[0]
-        crossed_at = int(over[0]) + 1 if len(over) else None
-    else:
-        e_value, crossed_at = 1.0, None
+    e_value, crossed_at = _e_process(pits, alpha)
     ks_d, dir_d = ks_detectable(len(us), level), directed_detectable(ps, level)
     power = (
         f"over {n} tokens, a change that moves at least {ks_d:.1%} of each step's probability "
@@ -240,21 +225,10 @@ def analyse(
         f"token) would have been caught with {POWER:.0%} probability; so would raising the "
         f"favourite's probability by {dir_d:.1%} per token"
     )
-    reasons = []
-    if impossible:
-        reasons.append(f"{impossible} sampled token(s) have probability 0 under the reference")
     if sequential:
-        if e_value >= 1 / alpha:
-            reasons.append(f"the e-process reached {e_value:.3g} >= 1/alpha = {1 / alpha:.3g}")
-    elif ks_p < level:
-        reasons.append(f"the PIT values are not uniform (KS p = {ks_p:.2g} < {level:.2g})")
-    if not sequential and directed_p < level:
-        reasons.append(
-            f"the draft's favourite was sampled {k} times where the reference expects "
-            f"{ps.sum():.1f} (p = {directed_p:.2g} < {level:.2g})"
-        )
-    if not sequential and g_p < level:
-        reasons.append(f"a repeated prefix's tokens do not fit (G-test, Bonferroni p = {g_p:.2g})")
+        reasons = _sequential_reasons(pits.impossible, e_value, alpha)
+    else:
+        reasons = _fixed_reasons(pits.impossible, ks_p, (k, ps, directed_p), g_p, level)
     if reasons:
         verdict, reason = Verdict.BROKEN, "; ".join(reasons)
     else:
@@ -265,13 +239,97 @@ def analyse(
             f"p = {directed_p:.2g}, {m} repeated prefixes G-tested, alpha = {alpha})"
         )
     return RescoreStats(
-        verdict=verdict, reason=reason, power=power, tokens=n, impossible=impossible,
+        verdict=verdict, reason=reason, power=power, tokens=n, impossible=pits.impossible,
         ks_p=ks_p, directed_p=directed_p, favourite_rate=k / n if n else 0.0,
         favourite_expected=float(ps.mean()) if n else 0.0, g_prefixes=m, g_p=g_p,
         e_value=e_value, crossed_at=crossed_at, ks_detectable=ks_d,
         directed_detectable=dir_d, alpha=alpha,
         per_position=per_pos, prefix_tests=prefix_tests, u=us,
     )  # fmt: skip
+
+
+@dataclass
+class _Pits:
+    """Per draw, in sampling order: its PIT value (nan in `u_all` for an impossible token),
+    whether it was the favourite and the reference's probability of the favourite."""
+
+    u: list[float] = field(default_factory=list)  # possible tokens only
+    u_all: list[float] = field(default_factory=list)
+    by_position: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    impossible: int = 0
+    hits: list[float] = field(default_factory=list)
+    favourite_p: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, draws: Sequence[TokenDraw], seed: int) -> _Pits:
+        """The PIT's randomisation V comes from `seed`, one uniform per draw."""
+        out = cls()
+        v = np.random.default_rng(seed).random(len(draws))
+        for d, vi in zip(draws, v, strict=True):
+            u = pit(d, float(vi))
+            fav = favourite_of(d)
+            out.hits.append(1.0 if d.token == fav else 0.0)
+            out.favourite_p.append(d.ref.probs.get(fav, 0.0) / sum(d.ref.probs.values()))
+            if u is None:
+                out.impossible += 1
+                out.u_all.append(math.nan)
+                continue
+            out.u.append(u)
+            out.u_all.append(u)
+            out.by_position[d.position].append(u)
+        return out
+
+
+def _e_process(pits: _Pits, alpha: float) -> tuple[float, int | None]:
+    """The e-value's running maximum and the draws until it first reached 1/alpha (None:
+    never). The average of two e-processes is one: its running maximum against 1/alpha is
+    valid."""
+    if not pits.u_all:
+        return 1.0, None
+    both = np.logaddexp(
+        hist_log_e(np.array(pits.u_all)),
+        bet_log_e(np.array(pits.hits), np.array(pits.favourite_p)),
+    ) - math.log(2)
+    e_value = math.exp(min(float(np.max(both)), 700.0))
+    over = np.nonzero(both >= math.log(1 / alpha))[0]
+    return e_value, int(over[0]) + 1 if len(over) else None
+
+
+def _sequential_reasons(impossible: int, e_value: float, alpha: float) -> list[str]:
+    """BROKEN's reasons when the e-process decides (the fixed-N tests are only reported)."""
+    reasons = _impossible_reasons(impossible)
+    if e_value >= 1 / alpha:
+        reasons.append(f"the e-process reached {e_value:.3g} >= 1/alpha = {1 / alpha:.3g}")
+    return reasons
+
+
+def _fixed_reasons(
+    impossible: int,
+    ks_p: float,
+    favourite: tuple[int, np.ndarray, float],
+    g_p: float,
+    level: float,
+) -> list[str]:
+    """BROKEN's reasons from `TESTS`, each at `level`; `favourite`: (times the favourite was
+    sampled, its reference probability per draw, the directed p-value)."""
+    reasons = _impossible_reasons(impossible)
+    k, ps, directed_p = favourite
+    if ks_p < level:
+        reasons.append(f"the PIT values are not uniform (KS p = {ks_p:.2g} < {level:.2g})")
+    if directed_p < level:
+        reasons.append(
+            f"the draft's favourite was sampled {k} times where the reference expects "
+            f"{ps.sum():.1f} (p = {directed_p:.2g} < {level:.2g})"
+        )
+    if g_p < level:
+        reasons.append(f"a repeated prefix's tokens do not fit (G-test, Bonferroni p = {g_p:.2g})")
+    return reasons
+
+
+def _impossible_reasons(impossible: int) -> list[str]:
+    if not impossible:
+        return []
+    return [f"{impossible} sampled token(s) have probability 0 under the reference"]
 
 
 def _prefix_tests(draws: Sequence[TokenDraw]) -> list[PrefixTest]:
@@ -340,10 +398,12 @@ def null_false_alarms(
 
 __all__ = [
     "DEFAULT_ALPHA",
+    "TESTS",
     "PrefixTest",
     "RescoreStats",
     "analyse",
     "check_enough",
+    "each_test_level",
     "favourite_of",
     "null_false_alarms",
     "order",

@@ -38,12 +38,13 @@ from specaudit.distribution.truth import encode_text
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
 from specaudit.outcome import Outcome
+from specaudit.reference import Reference, start_reference
 from specaudit.rescore import runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.fixture import draft_favourite, text_of
 from specaudit.rescore.records import RescoreError
-from specaudit.rescore.reference import Reference, probe_difference, start_reference
-from specaudit.rescore.sampling import Sample
+from specaudit.rescore.sampling import SeededGeneration
+from specaudit.rescore.spread import probe_difference
 
 if TYPE_CHECKING:
     from specaudit.distribution.engines import Engine
@@ -60,9 +61,10 @@ EngineProgressFn = Callable[[str, int, int], None]
 
 
 def fixture_ids(spec: FixtureSpec, text: str, tokens: int) -> tuple[int, ...]:
-    """A `dist` sample's outcomes (`Sample.text`) as token ids of `spec`'s vocabulary, cut
-    after the first outcome that is not a letter: BOS/EOS/UNK keep their ids, anything else
-    (a short output, an id outside the vocabulary, other text) is `NOT_A_TOKEN`."""
+    """A `dist` sample's outcomes (`distribution.Sample.text`) as token ids of `spec`'s
+    vocabulary, cut after the first outcome that is not a letter: BOS/EOS/UNK keep their ids,
+    anything else (a short output, an id outside the vocabulary, other text) is
+    `NOT_A_TOKEN`."""
     from specaudit.distribution.results import SPECIAL_CODES
 
     specials = {code: spec.token_ids[tok] for tok, code in SPECIAL_CODES.items()}
@@ -87,7 +89,7 @@ class EngineSampler:
         self.tokens = tokens
         self.label = engine.label
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         try:
             s = await self.engine.sample(seed)
         except RescoreError:
@@ -97,7 +99,7 @@ class EngineSampler:
 
             raise RescoreError(str(engine_error(self.label, e))) from None
         ids = fixture_ids(self.spec, s.text, self.tokens)
-        return Sample(seed, prompt, ids, s.drafted, s.accepted)
+        return SeededGeneration(seed, prompt, ids, s.drafted, s.accepted)
 
     async def aclose(self) -> None:
         await self.engine.aclose()
@@ -237,7 +239,7 @@ def run(req: EngineRescoreRequest, progress: EngineProgressFn | None = None) -> 
         return built[0]
 
     ctx = registry.RunContext(binaries)
-    with _reference(req) as ref_url:
+    with runner.reference_refusals(), _reference(req) as ref_url:
         out = EngineRescoreResult(fixture=dist.fixture.spec.name, reference=ref_url)
         for name in dist.engines:
             units = registry.get(name).build(dist, ctx)

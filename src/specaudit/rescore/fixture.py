@@ -1,6 +1,6 @@
 """The fixture draft's favourite token, in closed form: where the draft is known, the
 re-scored test's directed part aims at what it really proposes. (The closed form as a
-reference is `specaudit.fidelity.FixtureReference`.)
+reference is `specaudit.check.fidelity.FixtureReference`.)
 """
 
 from __future__ import annotations

@@ -1,36 +1,24 @@
 """The per-token record of a re-scored run: one home for what sampling produced and what the
-reference said about it.
+reference said about it (`specaudit.reference.NextToken`, the reference's answer, which the
+fidelity check reads too).
 
-Why a record of its own: the sampler (engines, reference), the statistics (PIT values, tests,
-power) and the fidelity check are written and tested apart; this is the only thing they pass
-between them, so each can be tested on hand-made records.
+Why a record of its own: the sampler (engines), the statistics (PIT values, tests, power) are
+written and tested apart; this is the only thing they pass between them, so each can be tested
+on hand-made records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from specaudit.errors import SpecauditError
+from specaudit.reference import NextToken
 
 
 class RescoreError(SpecauditError):
     """A re-scored run cannot be made or cannot decide (one line, exit 2): a reference that
     speculates, a different model, text that does not round-trip, too few samples..."""
-
-
-@dataclass(frozen=True)
-class NextToken:
-    """The reference's answer for one prefix.
-
-    `probs`: the processed (post-sampling) next-token distribution, token id -> probability,
-    over the whole support of the sampler (it sums to 1 up to rounding; a reference that cannot
-    cover the support is refused before this is built). `logprobs`: the raw (pre-sampling)
-    top-n log-probabilities, when asked for (empty otherwise).
-    """
-
-    probs: Mapping[int, float]
-    logprobs: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,4 +45,4 @@ class TokenDraw:
 # prefix ids -> the draft's favourite next token, where the drafter is known (a fixture's)
 FavouriteFn = Callable[[Sequence[int]], int | None]
 
-__all__ = ["FavouriteFn", "NextToken", "RescoreError", "TokenDraw"]
+__all__ = ["FavouriteFn", "RescoreError", "TokenDraw"]

@@ -9,8 +9,9 @@ nothing already drawn (the result keeps every sample and says how many tokens we
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,24 +19,23 @@ from specaudit import validate
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.outcome import Outcome
-from specaudit.rescore import analysis
-from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.records import FavouriteFn, NextToken, RescoreError, TokenDraw
-from specaudit.rescore.reference import (
-    PROBE_TOLERANCE,
+from specaudit.reference import (
     ModelIdentity,
+    NextToken,
     Reference,
+    ReferenceUnusable,
     aread_next_token,
-    at_the_edge,
     completion_body,
     identity_from_models,
     incremental_answers,
-    noise_spread,
-    probe_difference,
     start_reference,
     support_size,
 )
-from specaudit.rescore.sampling import OpenAISampler, Sample, Sampler, ServerSampler
+from specaudit.rescore import analysis
+from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
+from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
+from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
+from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
 ENGINES = ("server", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
@@ -213,7 +213,7 @@ class RescoreResult:
     seeds: int
     tokens: int
     sampler: SamplerSettings
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[SeededGeneration] = field(default_factory=list)
     rescored: int = 0
     stats: RescoreStats | None = None
     error: str | None = None
@@ -245,15 +245,27 @@ class RescoreResult:
         return self.outcome.exit_code
 
 
+@contextlib.contextmanager
+def reference_refusals() -> Iterator[None]:
+    """The reference client's refusals (`ReferenceUnusable`: it speculates, it is another model,
+    it cannot cover the support) as the run's own one-line `RescoreError`: whichever part
+    refuses, a run that cannot be made is a RescoreError."""
+    try:
+        yield
+    except ReferenceUnusable as e:
+        raise RescoreError(str(e)) from None
+
+
 def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResult:
     """Run `req`, starting (and always stopping) a reference server when given a model."""
-    if req.self_check:
-        return asyncio.run(_run_self(req, progress))
-    if req.reference_model is not None:
-        with start_reference(req.reference_model, parallel=req.concurrency) as url:
-            return asyncio.run(run_against(req, url, progress))
-    assert req.reference_url is not None
-    return asyncio.run(run_against(req, req.reference_url, progress))
+    with reference_refusals():
+        if req.self_check:
+            return asyncio.run(_run_self(req, progress))
+        if req.reference_model is not None:
+            with start_reference(req.reference_model, parallel=req.concurrency) as url:
+                return asyncio.run(run_against(req, url, progress))
+        assert req.reference_url is not None
+        return asyncio.run(run_against(req, req.reference_url, progress))
 
 
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
@@ -400,7 +412,7 @@ async def _ask(ref: Reference, prefix: Sequence[int]) -> NextToken:
         return await ref.next_token(prefix)
 
 
-async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) -> Sample:
+async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) -> SeededGeneration:
     """One seeded sample, drawn again once after a transport error (no HTTP status): a
     keep-alive connection the engine closed while the event loop was held (a progress
     callback that stops a server, an in-process engine) fails on reuse. Its answer was never
@@ -424,7 +436,7 @@ async def _sample_and_rescore(
 ) -> None:
     jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
     sem = asyncio.Semaphore(req.concurrency)
-    samples: dict[tuple[int, int], Sample] = {}
+    samples: dict[tuple[int, int], SeededGeneration] = {}
     draws: dict[tuple[int, int], list[TokenDraw]] = {}
     ref_failed: list[str] = []
     eng_failed: list[str] = []
@@ -442,19 +454,12 @@ async def _sample_and_rescore(
         samples[(seed, p)] = s
         if ref_failed:
             return
-        out = []
         try:
-            for i, tok in enumerate(s.ids):
-                prefix = [*prompts[p], *s.ids[:i]]
-                nt = await _ask(ref, prefix)
-                fav = req.favourite(prefix) if req.favourite else None
-                key = f"{p}:" + ",".join(map(str, s.ids[:i]))
-                out.append(TokenDraw(seed, p, i, key, tok, nt, draft_favourite=fav))
-        except (ClientError, RescoreError) as e:
+            draws[(seed, p)] = await _rescored(req, ref, seed, p, prompts[p], s.ids)
+        except (ClientError, ReferenceUnusable, RescoreError) as e:
             if not ref_failed:
                 ref_failed.append(str(e))
             return
-        draws[(seed, p)] = out
         done[0] += 1
         if progress:
             progress(done[0], len(jobs))
@@ -470,15 +475,47 @@ async def _sample_and_rescore(
     res.draws = [d for k in sorted(draws) for d in draws[k]]
     res.rescored = len(res.draws)
     _counts(res)
+    failure = _failure(res, len(jobs), eng_failed, ref_failed)
+    if failure is not None:
+        res.error = failure
+
+
+async def _rescored(
+    req: RescoreRequest,
+    ref: Reference,
+    seed: int,
+    prompt: int,
+    prompt_ids: Sequence[int],
+    ids: Sequence[int],
+) -> list[TokenDraw]:
+    """Every token of one generation with the reference's distribution for its exact prefix
+    (and the draft's favourite there, when the request knows it)."""
+    out = []
+    for i, tok in enumerate(ids):
+        prefix = [*prompt_ids, *ids[:i]]
+        nt = await _ask(ref, prefix)
+        fav = req.favourite(prefix) if req.favourite else None
+        key = f"{prompt}:" + ",".join(map(str, ids[:i]))
+        out.append(TokenDraw(seed, prompt, i, key, tok, nt, draft_favourite=fav))
+    return out
+
+
+def _failure(
+    res: RescoreResult, jobs: int, eng_failed: list[str], ref_failed: list[str]
+) -> str | None:
+    """The run's error: the engine's first failure (and how far it got), else the
+    reference's; None if neither failed."""
     if eng_failed:
-        res.error = eng_failed[0]
-        if len(res.samples) < len(jobs):
-            res.error += f" (after {len(res.samples)} of {len(jobs)} samples)"
-    elif ref_failed:
-        res.error = (
+        error = eng_failed[0]
+        if len(res.samples) < jobs:
+            error += f" (after {len(res.samples)} of {jobs} samples)"
+        return error
+    if ref_failed:
+        return (
             f"the reference failed after {res.rescored} of {res.sampled_tokens} sampled tokens "
             f"were re-scored: {ref_failed[0]}"
         )
+    return None
 
 
 async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> RescoreResult:
@@ -486,7 +523,6 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
     (post-sampling): no reference, so it needs nothing but the engine. It tests whether the
     engine samples what it says it samples; tokens it reported nothing for (placeholders) are
     counted, not tested."""
-    from specaudit.rescore.reference import support_size
 
     t0 = time.monotonic()
     ident = await _engine_identity(req)
@@ -503,7 +539,7 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
     )  # fmt: skip
     sem = asyncio.Semaphore(req.concurrency)
     jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
-    got: dict[tuple[int, int], Sample] = {}
+    got: dict[tuple[int, int], SeededGeneration] = {}
 
     async def one(seed: int, p: int) -> None:
         async with sem:

@@ -19,12 +19,12 @@ from typing import Any, Protocol
 
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import NextToken, RescoreError
-from specaudit.rescore.reference import COVERAGE, sampling_fields
+from specaudit.reference import COVERAGE, NextToken, sampling_fields
+from specaudit.rescore.records import RescoreError
 
 
 @dataclass(frozen=True)
-class Sample:
+class SeededGeneration:
     """One seed's generation: the generated token ids and the engine's draft counts (None
     where it reports none)."""
 
@@ -43,7 +43,9 @@ class Sampler(Protocol):
 
     label: str
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample: ...
+    async def sample(
+        self, prompt: int, prompt_ids: Sequence[int], seed: int
+    ) -> SeededGeneration: ...
 
     async def aclose(self) -> None: ...
 
@@ -82,7 +84,7 @@ class ServerSampler:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         body = await self._client.post(
             "/completion", {**self._body, "prompt": list(prompt_ids), "seed": seed}
         )
@@ -100,7 +102,7 @@ class ServerSampler:
         t = body.get("timings") if isinstance(body, dict) else None
         t = t if isinstance(t, dict) else {}
         reported = _reported(body, len(ids)) if "n_probs" in self._body else ()
-        return Sample(
+        return SeededGeneration(
             seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")), reported
         )
 
@@ -167,7 +169,7 @@ class OpenAISampler:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> Sample:
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         text = self._texts.get(prompt)
         if text is None:
             text = await self.tokenizer.detokenize(prompt_ids)
@@ -203,7 +205,7 @@ class OpenAISampler:
                 f"{self.label} says it generated {usage.get('completion_tokens')} tokens for "
                 f"seed {seed}; the text re-tokenises to {self.tokens}: not round-trip exact"
             )
-        return Sample(seed, prompt, gen)
+        return SeededGeneration(seed, prompt, gen)
 
 
-__all__ = ["OpenAISampler", "Sample", "Sampler", "ServerSampler", "Tokenizer"]
+__all__ = ["OpenAISampler", "Sampler", "SeededGeneration", "ServerSampler", "Tokenizer"]

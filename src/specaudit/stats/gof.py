@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import special
@@ -125,10 +126,50 @@ def stratified_gof(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
+    c = _clean(strata)
+    if c.impossible:
+        return GofResult(
+            math.inf, c.df_all, 0.0, "impossible", c.n_total, len(c.strata), 0.0, c.impossible
+        )
+    if not c.strata:
+        return GofResult(0.0, 0, 1.0, "trivial", c.n_total, 0, math.inf)
+    if method == "auto":
+        method = _auto_method(c, min_expected, exact_limit)
+    if method in ("g-test", "pooled"):
+        return _asymptotic(c, method, min_expected)
+    if method == "exact":
+        return _exact(c, exact_limit)
+    return _monte_carlo(c, mc_draws, mc_stop_hits, seed)
+
+
+@dataclass(frozen=True)
+class _Strata:
+    """The strata as tested: cells of probability 0 taken out (their counts are `impossible`),
+    strata without counts or with one cell left out (they carry no information)."""
+
+    strata: list[tuple[np.ndarray, np.ndarray]]
+    n_total: int  # every count given
+    impossible: int  # counts in cells of probability 0
+    df_all: int  # degrees of freedom of every stratum given
+
+    @property
+    def df(self) -> int:
+        return sum(len(p) - 1 for _, p in self.strata)
+
+    @property
+    def n_used(self) -> int:
+        return int(sum(o.sum() for o, _ in self.strata))
+
+    @property
+    def min_expected(self) -> float:
+        return min(float((o.sum() * p).min()) for o, p in self.strata)
+
+
+def _clean(
+    strata: Sequence[tuple[Sequence[int] | np.ndarray, Sequence[float] | np.ndarray]],
+) -> _Strata:
     cleaned: list[tuple[np.ndarray, np.ndarray]] = []
-    n_total = 0
-    impossible = 0
-    df_all = 0
+    n_total = impossible = df_all = 0
     for observed, probs in strata:
         o, p = normalise(observed, probs)
         n_total += int(o.sum())
@@ -138,86 +179,83 @@ def stratified_gof(
         df_all += max(len(p) - 1, 0)
         if o.sum() > 0 and len(p) > 1:
             cleaned.append((o, p))
-    if impossible:
-        return GofResult(
-            math.inf, df_all, 0.0, "impossible", n_total, len(cleaned), 0.0, impossible
-        )
-    if not cleaned:
-        return GofResult(0.0, 0, 1.0, "trivial", n_total, 0, math.inf)
-    df = sum(len(p) - 1 for _, p in cleaned)
-    min_e = min(float((o.sum() * p).min()) for o, p in cleaned)
-    n_used = int(sum(o.sum() for o, _ in cleaned))
+    return _Strata(cleaned, n_total, impossible, df_all)
 
-    if method == "auto":
-        if min_e >= min_expected:
-            method = "g-test"
-        elif len(cleaned) == 1 and _n_outcomes(cleaned[0]) <= exact_limit:
-            method = "exact"
+
+def _auto_method(c: _Strata, min_expected: float, exact_limit: int) -> str:
+    """Asymptotic when every expected count is large enough, else exact when one stratum's
+    outcomes can be enumerated, else Monte-Carlo."""
+    if c.min_expected >= min_expected:
+        return "g-test"
+    if len(c.strata) == 1 and _n_outcomes(c.strata[0]) <= exact_limit:
+        return "exact"
+    return "monte-carlo"
+
+
+def _asymptotic(c: _Strata, method: str, min_expected: float) -> GofResult:
+    """The G-test with Williams' correction against chi-square ("pooled": sparse cells of
+    each stratum merged first, `pool_sparse`)."""
+    g = 0.0
+    df = 0
+    me = math.inf
+    for o, p in c.strata:
+        if method == "pooled":
+            o2, p2 = pool_sparse(o, p, min_expected)
         else:
-            method = "monte-carlo"
+            o2, p2 = o.astype(float), p
+        k = len(p2)
+        if k < 2:
+            continue
+        n = float(o2.sum())
+        g += g_statistic(o2, n * p2) / _williams(int(n), k)
+        df += k - 1
+        me = min(me, float((n * p2).min()))
+    if df == 0:
+        return GofResult(0.0, 0, 1.0, "trivial", c.n_total, 0, me)
+    p_value = max(float(st.chi2.sf(g, df)), TINY_P)
+    return GofResult(g, df, p_value, method, c.n_used, len(c.strata), me)
 
-    if method in ("g-test", "pooled"):
-        g = 0.0
-        df = 0
-        me = math.inf
-        for o, p in cleaned:
-            if method == "pooled":
-                o2, p2 = pool_sparse(o, p, min_expected)
-            else:
-                o2, p2 = o.astype(float), p
-            k = len(p2)
-            if k < 2:
-                continue
-            n = float(o2.sum())
-            g += g_statistic(o2, n * p2) / _williams(int(n), k)
-            df += k - 1
-            me = min(me, float((n * p2).min()))
-        if df == 0:
-            return GofResult(0.0, 0, 1.0, "trivial", n_total, 0, me)
-        p_value = max(float(st.chi2.sf(g, df)), TINY_P)
-        return GofResult(g, df, p_value, method, n_used, len(cleaned), me)
 
-    if method == "exact":
-        if len(cleaned) != 1:
-            raise ValueError("the exact test takes a single stratum")
-        o, p = cleaned[0]
-        if _n_outcomes((o, p)) > exact_limit:
-            raise ValueError("too many outcomes to enumerate; use monte-carlo")
-        g = g_statistic(o, o.sum() * p)
-        pv, log10_p = _exact_pvalue(o, p)
-        return GofResult(g, df, pv, "exact", n_used, 1, min_e, log10_p=log10_p)
+def _exact(c: _Strata, exact_limit: int) -> GofResult:
+    """The exact multinomial test of one stratum (every outcome enumerated)."""
+    if len(c.strata) != 1:
+        raise ValueError("the exact test takes a single stratum")
+    o, p = c.strata[0]
+    if _n_outcomes((o, p)) > exact_limit:
+        raise ValueError("too many outcomes to enumerate; use monte-carlo")
+    g = g_statistic(o, o.sum() * p)
+    pv, log10_p = _exact_pvalue(o, p)
+    return GofResult(g, c.df, pv, "exact", c.n_used, 1, c.min_expected, log10_p=log10_p)
 
-    # Monte-Carlo: simulate the summed G statistic under the null.
+
+def _monte_carlo(c: _Strata, mc_draws: int, mc_stop_hits: int, seed: int) -> GofResult:
+    """The summed G statistic against its null simulated (sequentially if `mc_stop_hits`)."""
     g_obs = 0.0
-    for o, p in cleaned:
+    for o, p in c.strata:
         g_obs += float(_g_rows(o[None, :], np.log(p), int(o.sum()))[0])
     tol = 1e-9 * max(1.0, abs(g_obs))
+
+    def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
+        sims = np.zeros(m)
+        for o, p in c.strata:
+            n = int(o.sum())
+            sims += _g_rows(rng.multinomial(n, p, size=m), np.log(p), n)
+        return sims
+
     if mc_stop_hits > 0:
-
-        def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
-            sims = np.zeros(m)
-            for o, p in cleaned:
-                n = int(o.sum())
-                sims += _g_rows(rng.multinomial(n, p, size=m), np.log(p), n)
-            return sims
-
         p_value, _, hits = mc_pvalue(
             g_obs - tol, simulate, mc_draws, stop_hits=mc_stop_hits, seed=seed, chunk=2000
         )
     else:
-        rng = np.random.default_rng(seed)
-        sims = np.zeros(mc_draws)
-        for o, p in cleaned:
-            n = int(o.sum())
-            sims += _g_rows(rng.multinomial(n, p, size=mc_draws), np.log(p), n)
+        sims = simulate(mc_draws, np.random.default_rng(seed))
         hits = int(np.count_nonzero(sims >= g_obs - tol))
         p_value = (1 + hits) / (mc_draws + 1)
     if hits == 0:
         # Beyond every simulation: the simulated p-value is only a floor. The method of types
         # bounds the tail exactly: P(G/2 >= t) <= (number of possible count vectors) * e^-t.
         # Using it only when no simulation reached G keeps the p-value valid at every level.
-        p_value = max(min(p_value, _types_bound(g_obs, cleaned)), TINY_P)
-    return GofResult(g_obs, df, p_value, "monte-carlo", n_used, len(cleaned), min_e)
+        p_value = max(min(p_value, _types_bound(g_obs, c.strata)), TINY_P)
+    return GofResult(g_obs, c.df, p_value, "monte-carlo", c.n_used, len(c.strata), c.min_expected)
 
 
 def _types_bound(g: float, strata: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:

@@ -75,7 +75,34 @@ def homogeneity_test(
     """
     if method not in ("auto", "g-test", "monte-carlo"):
         raise ValueError(f"unknown method {method!r}")
-    cleaned: list[tuple[np.ndarray, np.ndarray]] = []
+    pools = _clean_pools(tables)
+    n = int(sum(int(o.sum()) for o, _ in pools))
+    if not pools:
+        return GofResult(0.0, 0, 1.0, "trivial", n, 0, math.inf)
+    dfs, mins = zip(*(_df_and_min_expected(o) for o, _ in pools), strict=True)
+    df = int(sum(dfs))
+    min_e = float(min(mins))
+    if df == 0:
+        return GofResult(0.0, 0, 1.0, "trivial", n, len(pools), min_e)
+    g = float(sum(float(g_independence(o)) for o, _ in pools))
+    s_obs = max(float(_row_score(_rows_vs_rest(o), o.shape[1]).max()) for o, _ in pools)
+    if method == "auto":
+        method = "g-test" if min_e >= min_expected else "monte-carlo"
+    if method == "g-test":
+        # Bonferroni over the rows: each row-vs-rest G is chi-square with cells - 1 df
+        rows_total = sum(len(o) for o, _ in pools)
+        p_value = max(min(1.0, rows_total * math.exp(-s_obs)), TINY_P)
+        return GofResult(g, df, p_value, "g-test", n, len(pools), min_e)
+    p_value = _homogeneity_mc(pools, s_obs, mc_draws, mc_stop_hits, seed)
+    return GofResult(g, df, p_value, "monte-carlo", n, len(pools), min_e)
+
+
+def _clean_pools(
+    tables: Sequence[tuple[np.ndarray, Sequence[float] | np.ndarray]],
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The pools as tested: cells p forbids and empty rows left out, and pools with fewer
+    than two rows or cells (nothing to compare) dropped; p renormalised."""
+    pools: list[tuple[np.ndarray, np.ndarray]] = []
     for counts, probs in tables:
         o = np.asarray(counts, dtype=np.int64)
         p = np.asarray(probs, dtype=float)
@@ -85,44 +112,40 @@ def homogeneity_test(
         o = o[:, keep]
         o = o[o.sum(axis=1) > 0]
         if len(o) >= 2 and int(keep.sum()) >= 2:
-            cleaned.append((o, p[keep] / p[keep].sum()))
-    n = int(sum(int(o.sum()) for o, _ in cleaned))
-    if not cleaned:
-        return GofResult(0.0, 0, 1.0, "trivial", n, 0, math.inf)
-    dfs, mins = zip(*(_df_and_min_expected(o) for o, _ in cleaned), strict=True)
-    df = int(sum(dfs))
-    min_e = float(min(mins))
-    if df == 0:
-        return GofResult(0.0, 0, 1.0, "trivial", n, len(cleaned), min_e)
+            pools.append((o, p[keep] / p[keep].sum()))
+    return pools
 
-    def rows_vs_rest(o: np.ndarray) -> np.ndarray:
-        """Each context's row against the rest of its pool: G of the 2 x cells table, for
-        every row (leading axes kept): (..., rows)."""
-        o = np.asarray(o, dtype=float)
-        rest = o.sum(axis=-2, keepdims=True) - o
-        return g_independence(np.stack([o, rest], axis=-2))
 
-    def score(g: np.ndarray, k: int) -> np.ndarray:
-        """-ln of a chi-square tail with k - 1 df: a fixed monotone map, so rows of pools of
-        different sizes are comparable; the reference below is exact whatever it is."""
-        return np.asarray(-st.chi2.logsf(g, max(k - 1, 1)))
+def _rows_vs_rest(o: np.ndarray) -> np.ndarray:
+    """Each context's row against the rest of its pool: G of the 2 x cells table, for every
+    row (leading axes kept): (..., rows)."""
+    o = np.asarray(o, dtype=float)
+    rest = o.sum(axis=-2, keepdims=True) - o
+    return g_independence(np.stack([o, rest], axis=-2))
 
-    rows_total = sum(len(o) for o, _ in cleaned)
-    s_obs = max(float(score(rows_vs_rest(o), o.shape[1]).max()) for o, _ in cleaned)
-    gs = [float(g_independence(o)) for o, _ in cleaned]
-    if method == "auto":
-        method = "g-test" if min_e >= min_expected else "monte-carlo"
-    if method == "g-test":
-        # Bonferroni over the rows: each row-vs-rest G is chi-square with cells - 1 df
-        p_value = max(min(1.0, rows_total * math.exp(-s_obs)), TINY_P)
-        return GofResult(float(sum(gs)), df, p_value, "g-test", n, len(cleaned), min_e)
+
+def _row_score(g: np.ndarray, k: int) -> np.ndarray:
+    """-ln of a chi-square tail with k - 1 df: a fixed monotone map, so rows of pools of
+    different sizes are comparable; the Monte-Carlo reference is exact whatever it is."""
+    return np.asarray(-st.chi2.logsf(g, max(k - 1, 1)))
+
+
+def _homogeneity_mc(
+    pools: list[tuple[np.ndarray, np.ndarray]],
+    s_obs: float,
+    mc_draws: int,
+    mc_stop_hits: int,
+    seed: int,
+) -> float:
+    """P(the largest row score >= s_obs), rows simulated from each pool's known p; beyond
+    every simulation, the method-of-types bound if smaller."""
 
     def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
         best = np.full(m, -np.inf)
-        for o, p in cleaned:
+        for o, p in pools:
             rows = o.sum(axis=1)
             sims = np.stack([rng.multinomial(int(r), p, size=m) for r in rows], axis=1)
-            best = np.maximum(best, score(rows_vs_rest(sims), o.shape[1]).max(axis=1))
+            best = np.maximum(best, _row_score(_rows_vs_rest(sims), o.shape[1]).max(axis=1))
         return best
 
     tol = 1e-9 * max(1.0, abs(s_obs))
@@ -133,11 +156,11 @@ def homogeneity_test(
         # union over rows of each row's method-of-types bound at its own threshold (a row's
         # G against the rest is at most the G of the pool's rows against p)
         bound = 0.0
-        for o, p in cleaned:
+        for o, p in pools:
             g_i = float(st.chi2.isf(math.exp(-s_obs), max(o.shape[1] - 1, 1)))
             bound += len(o) * _types_bound(g_i, [(row, p) for row in o])
         p_value = max(min(p_value, bound), TINY_P)
-    return GofResult(float(sum(gs)), df, p_value, "monte-carlo", n, len(cleaned), min_e)
+    return p_value
 
 
 def pair_independence_test(

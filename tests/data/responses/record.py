@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from specaudit.check import PROBE_KINDS, PROBE_PATHS, CheckSettings, request_body
+from specaudit.check.probes import PROBE_KINDS, PROBE_PATHS, CheckSettings, request_body
 
 HERE = Path(__file__).parent
 FIXTURE_PROMPT = "bcdbc"

@@ -7,7 +7,7 @@ from typing import Any
 
 from specaudit import check
 from specaudit.audit.context import AuditContext, Section
-from specaudit.check_rows import endpoint_rows
+from specaudit.check.rows import endpoint_rows
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets
 from specaudit.outcome import Outcome

@@ -1,12 +1,14 @@
 """The audit's engines section: the distribution test beyond llama.cpp's own programs.
 
-Hugging Face transformers' `generate()` with every candidate generator a llama fixture can
-drive (assistant model, prompt lookup, early exit), on both fixtures; llama-server through
-its OpenAI-compatible `/v1/completions` (`--engine openai`); llama-cpp-python's server with
+Every registered engine whose entry says `audit` (it needs only the fixture), on both
+fixtures: Hugging Face transformers' `generate()` with every candidate generator a llama
+fixture can drive (assistant model, prompt lookup, early exit), OpenVINO GenAI's plain, draft
+and prompt-lookup paths (converted to F16, with each path's logprob fidelity and
+reproducibility in the notes), and any plug-in that asks for it; then llama-server through its
+OpenAI-compatible `/v1/completions` (`--engine openai`), llama-cpp-python's server with
 prompt-lookup decoding through the same engine, and `check` on it (real logprobs, no
-/slots); OpenVINO GenAI's plain, draft and prompt-lookup paths on both fixtures (converted to
-F16), with each path's logprob fidelity and reproducibility (in the notes). Kept fast:
-sequential mode, at most `SEEDS` samples each.
+/slots). Each row is shown as its entry says (`EngineEntry.audit_row`). Kept fast: sequential
+mode, at most `SEEDS` samples each.
 """
 
 from __future__ import annotations
@@ -35,21 +37,18 @@ HEADERS = (
 )
 
 
-IN_PROCESS = ("transformers", "openvino")  # engines whose kind names the generator / path
-
-
 def rows(results: list[tuple[str, str, distribution.DistResult]]) -> list[tuple[object, ...]]:
-    """One row per (engine, generator, fixture): the table of docs/engines.md."""
+    """One row per (engine, generator, fixture): the table of docs/engines.md. `results`:
+    (engine name, the generator column when the engine's entry leaves it empty, result)."""
     out: list[tuple[object, ...]] = []
     for engine, generator, r in results:
+        entry = distribution.registry.get(engine)
         for e in r.engines:
-            inproc = engine in IN_PROCESS
-            gen = e.kind.removeprefix(engine + "-") if inproc else generator
-            label = e.engine.split()[0] + " " + e.engine.split()[1] if inproc else e.engine
+            label, gen = entry.audit_row(e)
             out.append(
                 (
                     label,
-                    gen,
+                    gen or generator,
                     r.fixture,
                     e.verdict.value,
                     e.n_samples,
@@ -76,11 +75,14 @@ def run_engines(
     """Every engine of the section; (engine, generator, result) triples, check, notes."""
     out: list[tuple[str, str, distribution.DistResult]] = []
     notes: list[str] = []
-    for fs in (ctx.fixture, ctx.context_fixture):
-        ctx.progress(f"engines: transformers on {fs.spec.name}")
-        r = _sequential("transformers", fs, seeds)
-        notes += [f"{fs.spec.name}: {n}" for n in r.notes]
-        out.append(("transformers", "", r))
+    for entry in distribution.registry.entries():
+        if not entry.audit:
+            continue
+        for fs in (ctx.fixture, ctx.context_fixture):
+            ctx.progress(f"engines: {entry.name} on {fs.spec.name}")
+            r = _sequential(entry.name, fs, seeds)
+            notes += [f"{fs.spec.name}: {n}" for n in r.notes]  # its truth check, its findings
+            out.append((entry.name, "", r))
     ctx.progress("engines: llama-server via /v1/completions")
     srv = ctx.server("fixture-spec")
     r = _sequential("openai", ctx.fixture, seeds, srv.url)
@@ -101,11 +103,6 @@ def run_engines(
             if chk is None:
                 chk = check.run(s.url, prompt=fs.spec.prompt, tokens=8, endpoint="completions")
     assert chk is not None
-    for fs in (ctx.fixture, ctx.context_fixture):
-        ctx.progress(f"engines: OpenVINO GenAI on {fs.spec.name}")
-        r = _sequential("openvino", fs, seeds)
-        notes += [f"{fs.spec.name}: {n}" for n in r.notes]  # with each path's fidelity
-        out.append(("openvino", "", r))
     return out, chk, notes
 
 

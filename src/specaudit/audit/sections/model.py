@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from specaudit import check_fidelity, rescore
+from specaudit import rescore
 from specaudit.audit.context import AuditContext, Section
+from specaudit.check import with_reference
 from specaudit.fixtures import SamplerSettings
 from specaudit.llama import presets
 from specaudit.outcome import Outcome
@@ -44,13 +45,13 @@ def section(ctx: AuditContext, *, seeds: int = 20, tokens: int = 6) -> Section:
     res = rescore.run(req)
     png = render.plot_pit(res, ctx.out_dir / "rescore-gemma.png")
     rows: list[list[Any]] = []
-    runs: dict[str, check_fidelity.FidelitySummary] = {}
+    runs: dict[str, with_reference.FidelitySummary] = {}
     for label, url in (
         ("stock, speculating", ctx.server("gemma-spec").url),
         ("spec-logprobs, speculating", ctx.server("gemma-spec-patched").url),
     ):
         ctx.progress(f"your model: fidelity of {label}")
-        runs[label] = check_fidelity.run(url, ref, **FIDELITY)
+        runs[label] = with_reference.run(url, ref, **FIDELITY)
     bins = ctx.binaries(LP_MUTANT)
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
     srv = presets.for_preset(
@@ -59,7 +60,7 @@ def section(ctx: AuditContext, *, seeds: int = 20, tokens: int = 6) -> Section:
     )  # fmt: skip
     with srv:
         ctx.progress("your model: fidelity of a logprob mutant")
-        runs[f"{LP_MUTANT} (spec-logprobs + one bug)"] = check_fidelity.run(
+        runs[f"{LP_MUTANT} (spec-logprobs + one bug)"] = with_reference.run(
             srv.url, ref, **FIDELITY
         )
     for label, f in runs.items():

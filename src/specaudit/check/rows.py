@@ -1,8 +1,8 @@
 """The rows of `check`'s tables, built once for both readers: the `specaudit check` terminal
 tables (`cli/check_cmd.py`) and the audit report's check section (`audit/sections/check.py`).
 
-Kept apart from `specaudit.check`, which probes a server and classifies its tokens: this module
-only says how a result reads, so the two renderings cannot drift apart.
+Kept apart from `specaudit.check.probes`, which probes a server and classifies its tokens: this
+module only says how a result reads, so the two renderings cannot drift apart.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specaudit.check import PROBE_LABELS, CheckResult, EndpointResult
+from specaudit.check.probes import PROBE_LABELS, CheckResult, EndpointResult
 from specaudit.logprobs import TokenRecord
 
 

@@ -29,7 +29,7 @@ from specaudit.logprobs import TokenClass, TokenRecord
 from specaudit.outcome import Outcome
 
 if TYPE_CHECKING:
-    from specaudit.check_fidelity import FidelitySummary
+    from specaudit.check.with_reference import FidelitySummary
 
 JSON = dict[str, Any]
 
@@ -159,7 +159,7 @@ class CheckResult:
     verdict: str  # "real" or "placeholders"
     outcome: Outcome  # OK (real) or FINDING (placeholders)
     reason: str  # one line
-    # `check --reference`: every token classified against a plain reference (check_fidelity)
+    # `check --reference`: every token classified against a plain reference (with_reference)
     fidelity: FidelitySummary | None = None
     exit_code: int = field(init=False)  # outcome.exit_code, kept in the JSON for scripts
 
@@ -473,7 +473,7 @@ def run(
 
     `reference`: a plain llama-server of the same model; every token of the native
     /completion probes is then also classified real and correct / real but wrong /
-    placeholder / missing against it (`specaudit.check_fidelity`), and real but wrong is a
+    placeholder / missing against it (`specaudit.check.with_reference`), and real but wrong is a
     finding like placeholders.
 
     Raises `CheckError` (or `ClientError`) when no decision is possible; every argument is
@@ -529,9 +529,9 @@ def run(
         reason += "; no decision on: " + ", ".join(failed)
     fid = None
     if reference is not None:
-        from specaudit import check_fidelity
+        from specaudit.check import with_reference
 
-        fid = check_fidelity.run(
+        fid = with_reference.run(
             url, reference, prompt=prompt, seed=seed, tokens=tokens, top_k=top_k,
             temperature=temperature, timeout=timeout, api_key=api_key,
         )  # fmt: skip

@@ -1,30 +1,23 @@
-"""The built-in engines, registered in `dist.registry`: how each is built from a `DistRequest`.
+"""llama.cpp's engines in `dist.registry`: how each is built from a `DistRequest`.
 
 server (one spawned llama-server per verification path), speculative-example (llama.cpp's
-llama-speculative, one process per seed), url (running llama-servers, native /completion),
-openai (running /v1/completions servers) and transformers (Hugging Face `generate()`, the
-`transformers` extra). Each entry is one `register` call below; an engine's sampling code
-lives in its own module (`engines`, `openai`, `hf`). `spawn_server` is here because only the
-server engine (and tests, benchmarks that want the same server) starts llama-servers.
+llama-speculative, one process per seed) and url (running llama-servers, native /completion);
+their sampling code is in `dist.engines`. `register_engines` is the registry's hook, as in
+every engine module (openai, hf, openvino, a plug-in's). `spawn_server` is here because only
+the server engine (and tests, benchmarks that want the same server) starts llama-servers.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 from specaudit import fixtures
-from specaudit.distribution import coverage, hf
-from specaudit.distribution.engines import Engine, ExampleEngine, ServerEngine
-from specaudit.distribution.openai import FleetEngine, OpenAIEngine
-from specaudit.distribution.registry import (
-    EngineEntry,
-    EngineOption,
-    RunContext,
-    Unit,
-    register,
-)
+from specaudit.distribution import coverage
+from specaudit.distribution.engines import ExampleEngine, ServerEngine
+from specaudit.distribution.openai import fleet
+from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
 from specaudit.distribution.results import DistError
 from specaudit.llama import presets
@@ -197,19 +190,13 @@ def _build_example(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, N
     )
 
 
-# -------------------------------------------------------------------------- url, openai
-
-
-def _fleet(members: Sequence[Engine]) -> Engine:
-    """One engine, or a fleet that spreads the seeds over identical servers (`--concurrency`
-    is per server)."""
-    return members[0] if len(members) == 1 else FleetEngine(list(members))
+# ---------------------------------------------------------------------------------- url
 
 
 def _build_url(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
     spec, wl = req.fixture.spec, req.workload
     yield Unit(
-        _fleet(
+        fleet(
             [
                 ServerEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
                 for u in req.urls
@@ -218,114 +205,55 @@ def _build_url(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]
     )
 
 
-def _build_openai(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
-    spec, wl = req.fixture.spec, req.workload
-    yield Unit(
-        _fleet(
-            [
-                OpenAIEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
-                for u in req.urls
-            ]
-        )
-    )
-
-
-# ------------------------------------------------------------------------ transformers
-
-
-def _check_transformers(req: DistRequest) -> None:
-    if req.workload.sampler.temperature <= 0:
-        raise DistError("--engine transformers samples: --temperature must be > 0")
-    hf.versions()  # the extra is installed, or a one-line error now
-
-
-def _build_transformers(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
-    generators = req.option("generators") or hf.GENERATORS
-    engines, truth_check = hf.engines(req.fixture, req.workload, generators)
-    ctx.notes.append(truth_check.line())
-    ctx.not_covered.extend(hf.NOT_RUNNABLE)
-    for eng in engines:
-        yield Unit(eng)
-
-
 # --------------------------------------------------------------------------- the table
 
-SERVER = register(
-    EngineEntry(
-        "server",
-        _build_server,
-        help="llama-servers spawned on the fixture, one per verification path (--path)",
-        binaries=True,
-        options=(
-            EngineOption(
-                "--path",
-                "paths",
-                PATHS,
-                "Verification path(s) of --engine server, repeatable [default: all the "
-                "fixture's; rejection paths only at --temperature > 0]: plain (no draft), "
-                "greedy (draft, sample-and-match), rejection (--spec-draft-sampling "
-                "probabilistic: rejection sampling), ngram (ngram-mod, no draft model), and "
-                "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache (those n-gram types, no "
-                "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
-                "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
-                "plain, mtp, mtp-rejection); eagle3 (--spec-type draft-eagle3: the fixture's "
-                "EAGLE3 head drafts from the target's hidden states); replay, "
-                "replay-rejection (the draft model, greedy or probabilistic, on a Mamba "
-                "target: llama-server's checkpoint replay path; only --fixture-kind replay, "
-                "which runs plain, replay, replay-rejection).",
-            ),
+SERVER = EngineEntry(
+    "server",
+    _build_server,
+    help="llama-servers spawned on the fixture, one per verification path (--path)",
+    binaries=True,
+    options=(
+        EngineOption(
+            "--path",
+            "paths",
+            PATHS,
+            "Verification path(s) of --engine server, repeatable [default: all the "
+            "fixture's; rejection paths only at --temperature > 0]: plain (no draft), "
+            "greedy (draft, sample-and-match), rejection (--spec-draft-sampling "
+            "probabilistic: rejection sampling), ngram (ngram-mod, no draft model), and "
+            "ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache (those n-gram types, no "
+            "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
+            "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
+            "plain, mtp, mtp-rejection); eagle3 (--spec-type draft-eagle3: the fixture's "
+            "EAGLE3 head drafts from the target's hidden states); replay, "
+            "replay-rejection (the draft model, greedy or probabilistic, on a Mamba "
+            "target: llama-server's checkpoint replay path; only --fixture-kind replay, "
+            "which runs plain, replay, replay-rejection).",
         ),
-        check=_check_server,
-    )
+    ),
+    check=_check_server,
 )
-SPECULATIVE_EXAMPLE = register(
-    EngineEntry(
-        "speculative-example",
-        _build_example,
-        help="llama.cpp's llama-speculative, one process per seed",
-        binaries=True,
-    )
+SPECULATIVE_EXAMPLE = EngineEntry(
+    "speculative-example",
+    _build_example,
+    help="llama.cpp's llama-speculative, one process per seed",
+    binaries=True,
 )
-URL = register(EngineEntry("url", _build_url, help="a running llama-server (--url)", url=True))
-OPENAI = register(
-    EngineEntry(
-        "openai",
-        _build_openai,
-        help="a running OpenAI-compatible server (--url, /v1/completions)",
-        url=True,
-    )
-)
-TRANSFORMERS = register(
-    EngineEntry(
-        "transformers",
-        _build_transformers,
-        help="Hugging Face generate() with speculative decoding on CPU (--generator; needs "
-        "specaudit[transformers])",
-        extra="transformers",
-        options=(
-            EngineOption(
-                "--generator",
-                "generators",
-                hf.GENERATORS,
-                "Candidate generator(s) of --engine transformers, repeatable [default: all]: "
-                + "; ".join(f"{g}: {h}" for g, h in hf.GENERATOR_HELP.items())
-                + ".",
-            ),
-        ),
-        check=_check_transformers,
-    )
-)
+URL = EngineEntry("url", _build_url, help="a running llama-server (--url)", url=True)
 
-# engines in modules of their own register themselves on import (docs/dist.md, "Adding an engine")
-from specaudit.distribution import openvino  # noqa: E402, F401
+
+def register_engines(register: Register) -> None:
+    """The registry's hook (`dist.registry.BUILTIN`)."""
+    for entry in (SERVER, SPECULATIVE_EXAMPLE, URL):
+        register(entry)
+
 
 __all__ = [
     "DRAFT_SAMPLING",
-    "OPENAI",
     "PATHS",
     "SERVER",
     "SPECULATIVE_EXAMPLE",
-    "TRANSFORMERS",
     "URL",
+    "register_engines",
     "spawn_server",
 ]

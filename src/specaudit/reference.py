@@ -8,7 +8,10 @@ from, for a prompt given as token ids (no re-tokenisation), one forward pass per
 process, refused when it speculates (``/slots``) or serves another model (``/v1/models``
 metadata and a probe prompt's distribution).
 
-Transport only: what the answers mean (PIT values, tests, fidelity) lives elsewhere.
+Transport only: what the answers mean lives with their readers, the PIT values and tests in
+`specaudit.rescore`, the fidelity classes in `specaudit.check.fidelity`. Both import this module;
+it imports neither, so `check --reference` does not load the re-scored run and `rescore` does
+not load `check`.
 """
 
 from __future__ import annotations
@@ -17,26 +20,42 @@ import asyncio
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
 from specaudit.distribution.engines import SAMPLER_CHAIN
+from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import NextToken, RescoreError
 
 # The most candidates a reference is asked for: with top-k 0 (no top-k) on a 262k vocabulary
 # the support is the whole vocabulary, which no reference returns per token.
 MAX_SUPPORT = 1024
 # A processed distribution that sums to less than this does not cover the sampler's support.
 COVERAGE = 1.0 - 1e-4
-# Probe prompt distributions of engine and reference may differ by this much (float noise of
-# batch sizes and threads; the fidelity check measures the floor properly).
-PROBE_TOLERANCE = 0.02
 # Seeds a one-token question is asked with while its draw is held back (`held_back`).
 DRAW_SEEDS = 16
+
+
+class ReferenceUnusable(SpecauditError):
+    """The reference cannot be used or cannot answer (one line, exit 2): unreachable, it
+    speculates, it is not a llama-server, or it cannot cover the sampler's support."""
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """The reference's answer for one prefix.
+
+    `probs`: the processed (post-sampling) next-token distribution, token id -> probability,
+    over the whole support of the sampler (it sums to 1 up to rounding; a reference that cannot
+    cover the support is refused before this is built). `logprobs`: the raw (pre-sampling)
+    top-n log-probabilities, when asked for (empty otherwise).
+    """
+
+    probs: Mapping[int, float]
+    logprobs: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,7 @@ def identity_from_models(body: Any) -> ModelIdentity | None:
 
 def support_size(sampler: SamplerSettings, n_vocab: int | None) -> int:
     """How many candidates the reference must return to cover the sampler's support, or a
-    one-line RescoreError when no reference can (top-k 0 on a large vocabulary)."""
+    one-line ReferenceUnusable when no reference can (top-k 0 on a large vocabulary)."""
     k = sampler.top_k
     if sampler.temperature <= 0:
         return 1  # greedy: the argmax alone
@@ -95,13 +114,13 @@ def support_size(sampler: SamplerSettings, n_vocab: int | None) -> int:
         if n_vocab is not None and n_vocab <= MAX_SUPPORT:
             return n_vocab
         vocab = f"a {n_vocab}-token vocabulary" if n_vocab else "an unknown vocabulary"
-        raise RescoreError(
+        raise ReferenceUnusable(
             f"top-k {k} on {vocab}: the sampler's support is the whole vocabulary, more than "
             f"the {MAX_SUPPORT} probabilities a reference returns per token; use top-k "
             f"between 1 and {MAX_SUPPORT}"
         )
     if k > MAX_SUPPORT:
-        raise RescoreError(
+        raise ReferenceUnusable(
             f"top-k {k} is more than the {MAX_SUPPORT} probabilities a reference returns per "
             f"token: the reported distribution cannot cover the sampler's support"
         )
@@ -169,9 +188,9 @@ def ask_next_token(
 
 def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
     """token id -> probability (post) or log-probability (raw) of the first generated token's
-    candidates; a RescoreError when the answer carries none."""
+    candidates; a ReferenceUnusable when the answer carries none."""
     if held_back(body):
-        raise RescoreError(
+        raise ReferenceUnusable(
             f"the server drew a token that ends inside a UTF-8 character at this prefix with "
             f"each of {DRAW_SEEDS} seeds, and llama-server reports no probabilities for such a "
             "token"
@@ -182,11 +201,11 @@ def parse_next_token(body: Any, *, post: bool) -> dict[int, float]:
         key = "prob" if post else "logprob"
         out = {int(c["id"]): float(c[key]) for c in cands}
     except (KeyError, IndexError, TypeError, ValueError):
-        raise RescoreError(
+        raise ReferenceUnusable(
             "the reference answered without next-token probabilities (is it a llama-server?)"
         ) from None
     if not out or any(not math.isfinite(v) for v in out.values() if post):
-        raise RescoreError("the reference returned no usable next-token probabilities")
+        raise ReferenceUnusable("the reference returned no usable next-token probabilities")
     return out
 
 
@@ -268,14 +287,14 @@ class Reference:
         try:
             info = await speculation.aread(self._client)
         except ClientError as e:
-            raise RescoreError(f"cannot reach the reference: {e}") from None
+            raise ReferenceUnusable(f"cannot reach the reference: {e}") from None
         if info.slots.total is None:
-            raise RescoreError(
+            raise ReferenceUnusable(
                 f"cannot read the reference's /slots ({info.slots.note}): specaudit needs it "
                 "to prove the reference does not speculate (start it without --no-slots)"
             )
         if info.speculates:
-            raise RescoreError(
+            raise ReferenceUnusable(
                 f"the reference {self.url} speculates (/slots says {info.slots.speculative} of "
                 f"{info.slots.total} slots speculate); serve the same model without a draft or "
                 "--spec-type"
@@ -283,9 +302,11 @@ class Reference:
         try:
             ident = identity_from_models(await self._client.get("/v1/models"))
         except ClientError as e:
-            raise RescoreError(f"cannot read the reference's /v1/models: {e}") from None
+            raise ReferenceUnusable(f"cannot read the reference's /v1/models: {e}") from None
         if ident is None:
-            raise RescoreError(f"the reference {self.url} is not a llama-server (no model meta)")
+            raise ReferenceUnusable(
+                f"the reference {self.url} is not a llama-server (no model meta)"
+            )
         self._n_probs = support_size(self.sampler, ident.n_vocab)
         return ident
 
@@ -307,24 +328,26 @@ class Reference:
         try:
             return [int(t) for t in body["tokens"]]
         except (KeyError, TypeError, ValueError):
-            raise RescoreError("the reference's /tokenize answered without tokens") from None
+            raise ReferenceUnusable("the reference's /tokenize answered without tokens") from None
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         body = await self._client.post("/detokenize", {"tokens": list(ids)})
         try:
             return str(body["content"])
         except (KeyError, TypeError):
-            raise RescoreError("the reference's /detokenize answered without content") from None
+            raise ReferenceUnusable(
+                "the reference's /detokenize answered without content"
+            ) from None
 
     async def next_token(self, ids: Sequence[int]) -> NextToken:
         """The processed next-token distribution after `ids` (and the raw top log-probs when
-        `raw_probs` > 0); a RescoreError when it does not cover the sampler's support."""
+        `raw_probs` > 0); a ReferenceUnusable when it does not cover the sampler's support."""
         key = tuple(ids)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         if not self._n_probs:
-            raise RescoreError("Reference.prepare() must run before next_token()")
+            raise ReferenceUnusable("Reference.prepare() must run before next_token()")
         asking = self._asking.get(key)
         if asking is None:
             asking = asyncio.ensure_future(self._ask(key))
@@ -350,7 +373,7 @@ class Reference:
                 self.requests += asked
         total = sum(probs.values())
         if total < COVERAGE:
-            raise RescoreError(
+            raise ReferenceUnusable(
                 f"the reference's distribution sums to {total:.6f} over the {len(probs)} "
                 f"candidates it returned: it does not cover the sampler's support"
             )
@@ -360,10 +383,10 @@ class Reference:
 
 
 class ServerReference:
-    """A plain llama-server as a synchronous reference (`fidelity.NextTokenSource`): for each
-    prefix, the processed distribution over the sampler's support (`support` candidates) and the
-    raw top-`raw_probs` log-probabilities (`ask_next_token`), cached per prefix. Refuses a
-    speculating server like `Reference`."""
+    """A plain llama-server as a synchronous reference (a `check.fidelity.NextTokenSource`): for
+    each prefix, the processed distribution over the sampler's support (`support` candidates)
+    and the raw top-`raw_probs` log-probabilities (`ask_next_token`), cached per prefix.
+    Refuses a speculating server like `Reference`."""
 
     support: int  # candidates asked for: the sampler's support (`support_size`)
 
@@ -393,7 +416,9 @@ class ServerReference:
             timeout=self.timeout,
         )  # fmt: skip
         if sum(nt.probs.values()) < COVERAGE:
-            raise RescoreError("the reference's distribution does not cover the sampler's support")
+            raise ReferenceUnusable(
+                "the reference's distribution does not cover the sampler's support"
+            )
         self._cache[key] = nt
         return nt
 
@@ -405,7 +430,7 @@ class ServerReference:
         try:
             return [int(t) for t in body["tokens"]]
         except (KeyError, TypeError, ValueError):
-            raise RescoreError("the reference's /tokenize answered without tokens") from None
+            raise ReferenceUnusable("the reference's /tokenize answered without tokens") from None
 
 
 def incremental_answers(
@@ -447,74 +472,6 @@ def incremental_answers(
     return out
 
 
-def noise_spread(
-    url: str,
-    ids: Sequence[int],
-    sampler: SamplerSettings,
-    n_probs: int,
-    timeout: float = 120.0,
-    extend: int = 24,
-) -> tuple[float, float]:
-    """How much the reference disagrees with itself across batch shapes and slots: (largest TV
-    between two answers, largest spread of a raw logprob), over `ids` and `ids` extended by
-    `extend` tokens of the reference's own. Answers: the prefix in one piece, its last 1-16
-    tokens as one batch on a cached prefix (`incremental_answers`), and four identical
-    requests at once (batched across the reference's slots). The floor under the same-model
-    probe and the top-k boundary rule."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def whole(p: Sequence[int]) -> NextToken:
-        return ask_next_token(
-            url, p, sampler, n_probs, raw_probs=n_probs + 20, cache_prompt=False, timeout=timeout
-        )
-
-    with Client(url, timeout=timeout) as c:
-        gen = c.post(
-            "/completion",
-            {**completion_body(ids, sampler, 1), "n_predict": extend, "return_tokens": True},
-        ).get("tokens", [])
-    tv, lp = 0.0, 0.0
-    for p in (list(ids), [*ids, *(int(t) for t in gen)]):
-        with ThreadPoolExecutor(4) as ex:
-            answers = list(ex.map(whole, [p] * 4))
-        answers += incremental_answers(url, p, sampler, n_probs, raw_probs=n_probs + 20)
-        tv = max(tv, *(probe_difference(a.probs, b.probs) for a in answers for b in answers))
-        lp = max(lp, logprob_spread(answers))
-    return tv, lp
-
-
-def logprob_spread(answers: Sequence[NextToken]) -> float:
-    """The largest spread of one token's raw logprob across `answers` (tokens every answer
-    reports); 0 for fewer than two answers."""
-    if len(answers) < 2:
-        return 0.0
-    common = set.intersection(*(set(a.logprobs) for a in answers))
-    return max(
-        (max(a.logprobs[t] for a in answers) - min(a.logprobs[t] for a in answers) for t in common),
-        default=0.0,
-    )
-
-
-def at_the_edge(token: int, answers: Sequence[NextToken], margin: float) -> bool:
-    """Whether `token`, outside one answer's top-k, is inside it in another batch shape, or
-    within the margin of the k-th token's raw logprob in one of them: the larger of `margin`
-    and twice the spread measured among these answers (answers for one prefix)."""
-    m = max(margin, 2 * logprob_spread(answers))
-    for a in answers:
-        if token in a.probs:
-            return True
-        support = [a.logprobs[t] for t in a.probs if t in a.logprobs]
-        if token in a.logprobs and support and a.logprobs[token] >= min(support) - m:
-            return True
-    return False
-
-
-def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
-    """Total-variation distance between two next-token distributions (token id -> prob)."""
-    keys = set(a) | set(b)
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in keys)
-
-
 @contextmanager
 def start_reference(
     model: Path, *, parallel: int = 4, ctx_size: int = 4096, timeout: float = 120.0
@@ -525,7 +482,7 @@ def start_reference(
     from specaudit.llama.server import LlamaServer
 
     if not model.is_file():
-        raise RescoreError(f"reference model {model} is not a file")
+        raise ReferenceUnusable(f"reference model {model} is not a file")
     bins = llama.ensure()
     srv = LlamaServer(
         bins,
@@ -543,21 +500,18 @@ __all__ = [
     "COVERAGE",
     "DRAW_SEEDS",
     "MAX_SUPPORT",
-    "PROBE_TOLERANCE",
     "ModelIdentity",
+    "NextToken",
     "Reference",
+    "ReferenceUnusable",
     "ServerReference",
     "ask_next_token",
     "aread_next_token",
-    "at_the_edge",
     "completion_body",
     "held_back",
     "identity_from_models",
     "incremental_answers",
-    "logprob_spread",
-    "noise_spread",
     "parse_next_token",
-    "probe_difference",
     "read_next_token",
     "sampling_fields",
     "start_reference",

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specaudit import check, validate
+from specaudit import validate
+from specaudit.check import probes
 from specaudit.client import ClientError
 from specaudit.errors import SpecauditError
 from specaudit.outcome import Outcome
@@ -85,12 +86,12 @@ def _resolve(value: Any, what: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise check.CheckError(f"{what} must be a string, got {type(value).__name__}")
+        raise probes.CheckError(f"{what} must be a string, got {type(value).__name__}")
     if value.startswith(ENV_PREFIX):
         name = value[len(ENV_PREFIX) :]
         resolved = os.environ.get(name)
         if resolved is None:
-            raise check.CheckError(f"{what} names the environment variable {name}, which is unset")
+            raise probes.CheckError(f"{what} names the environment variable {name}, which is unset")
         return resolved
     return value
 
@@ -108,24 +109,24 @@ def read_litellm_config(path: Path) -> list[Deployment]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise check.CheckError(f"cannot read the LiteLLM config {path}: {e}") from None
+        raise probes.CheckError(f"cannot read the LiteLLM config {path}: {e}") from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise check.CheckError(f"{path} is not YAML: {first}") from None
+        raise probes.CheckError(f"{path} is not YAML: {first}") from None
     models = doc.get("model_list") if isinstance(doc, dict) else None
     if not isinstance(models, list) or not models:
-        raise check.CheckError(f"{path} has no model_list: not a LiteLLM proxy config")
+        raise probes.CheckError(f"{path} has no model_list: not a LiteLLM proxy config")
     out: list[Deployment] = []
     for i, entry in enumerate(models):
         where = f"{path}: model_list[{i}]"
         if not isinstance(entry, dict):
-            raise check.CheckError(f"{where} is not a mapping")
+            raise probes.CheckError(f"{where} is not a mapping")
         name = entry.get("model_name")
         params = entry.get("litellm_params")
         if not isinstance(name, str) or not isinstance(params, dict):
-            raise check.CheckError(f"{where} needs model_name and litellm_params")
+            raise probes.CheckError(f"{where} needs model_name and litellm_params")
         if params.get("api_base") is None:
             out.append(Deployment(name, None, skip_reason="no api_base: not a self-hosted server"))
             continue
@@ -133,7 +134,7 @@ def read_litellm_config(path: Path) -> list[Deployment]:
             model = _resolve(params.get("model"), f"{where}.litellm_params.model")
             api_base = _resolve(params.get("api_base"), f"{where}.litellm_params.api_base")
             api_key = _resolve(params.get("api_key"), f"{where}.litellm_params.api_key")
-        except check.CheckError as e:  # e.g. an os.environ/NAME that is unset here
+        except probes.CheckError as e:  # e.g. an os.environ/NAME that is unset here
             out.append(Deployment(name, None, error=str(e)))
             continue
         short = model.split("/", 1)[1] if model and "/" in model else model
@@ -141,10 +142,10 @@ def read_litellm_config(path: Path) -> list[Deployment]:
             out.append(Deployment(name, None, error=f"{where}.litellm_params.api_base is empty"))
             continue
         url = validate.url(
-            server_root(api_base), f"{where}.litellm_params.api_base", check.CheckError
+            server_root(api_base), f"{where}.litellm_params.api_base", probes.CheckError
         )
         if api_key is not None:
-            validate.token(api_key, f"{where}.litellm_params.api_key", check.CheckError)
+            validate.token(api_key, f"{where}.litellm_params.api_key", probes.CheckError)
         out.append(Deployment(name, url, api_key, short))
     return out
 
@@ -153,7 +154,7 @@ def read_litellm_config(path: Path) -> list[Deployment]:
 # checks
 
 
-CheckFn = Callable[..., check.CheckResult]
+CheckFn = Callable[..., probes.CheckResult]
 
 
 def _one(dep: Deployment, kwargs: dict[str, Any], check_fn: CheckFn) -> DeploymentCheck:
@@ -200,26 +201,26 @@ def run(
     deployments: Sequence[Deployment | str],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
-    check_fn: CheckFn = check.run,
+    check_fn: CheckFn = probes.run,
     **check_kwargs: Any,
 ) -> FleetResult:
     """Check every deployment (URLs or `Deployment`s) with `specaudit.check.run`, at most
     `concurrency` at a time. `check_kwargs` go to each check (top_k, tokens, endpoint, prompt,
     seed, temperature, stream, model, timeout, probe_switch)."""
     validate.integer(
-        concurrency, "--concurrency", min=1, max=MAX_CONCURRENCY, error=check.CheckError
+        concurrency, "--concurrency", min=1, max=MAX_CONCURRENCY, error=probes.CheckError
     )
     deps = _dedupe([Deployment(d, d) if isinstance(d, str) else d for d in deployments])
     if not deps:
-        raise check.CheckError("no deployment to check")
+        raise probes.CheckError("no deployment to check")
     for d in deps:
         if d.url is not None:
-            validate.url(d.url, d.name, check.CheckError)
+            validate.url(d.url, d.name, probes.CheckError)
     with ThreadPoolExecutor(max_workers=min(concurrency, len(deps))) as pool:
         rows = list(pool.map(lambda d: _one(d, check_kwargs, check_fn), deps))
     checked = [r for r in rows if r.outcome is not None]
     if not checked:
-        raise check.CheckError("no deployment could be checked: " + rows[0].reason)
+        raise probes.CheckError("no deployment could be checked: " + rows[0].reason)
     findings = [r for r in checked if r.outcome is Outcome.FINDING]
     undecided = [r for r in checked if r.outcome is Outcome.NO_DECISION]
     skipped = [r for r in rows if r.outcome is None]

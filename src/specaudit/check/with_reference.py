@@ -1,5 +1,6 @@
 """`check --reference`: the logprobs a server reports, compared value by value with a plain
-reference server of the same model (`specaudit.fidelity`).
+reference server of the same model (`specaudit.check.fidelity`, asked by
+`specaudit.check.fidelity_probe`).
 
 Why apart from `check`: `check` tells placeholders from numbers with one request per endpoint
 and needs nothing but the server; this asks a reference about every token's exact prefix and
@@ -14,12 +15,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specaudit import fidelity
+from specaudit.check import fidelity, fidelity_probe
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
-from specaudit.rescore.records import NextToken
-from specaudit.rescore.reference import (
+from specaudit.reference import (
+    NextToken,
     ServerReference,
     ask_next_token,
     completion_body,
@@ -29,10 +30,10 @@ from specaudit.rescore.reference import (
 
 # Both modes, streamed and not: what a client of /completion can ask for.
 KINDS = (
-    fidelity.ProbeKind("completion", False),
-    fidelity.ProbeKind("completion", True),
-    fidelity.ProbeKind("completion", False, stream=True),
-    fidelity.ProbeKind("completion", True, stream=True),
+    fidelity_probe.ProbeKind("completion", False),
+    fidelity_probe.ProbeKind("completion", True),
+    fidelity_probe.ProbeKind("completion", False, stream=True),
+    fidelity_probe.ProbeKind("completion", True, stream=True),
 )
 SAMPLER_TOP_K = 40  # the sampler's top-k for these probes (llama-server's default)
 NOISE_BATCHES = (1, 2, 4)
@@ -70,7 +71,7 @@ def prefix_answers(
 ) -> list[NextToken]:
     """The reference's answers for one prefix in every shape its noise floor is measured over:
     `ref`'s own answer, the same request 2 and 4 at a time with the prefix in one batch (as
-    `fidelity.server_noise_floor`), and its last 1-16 tokens as one batch on a cached prefix
+    `fidelity_probe.server_noise_floor`), and its last 1-16 tokens as one batch on a cached prefix
     (`incremental_answers`), the shape of a verification batch. Every answer is asked for
     `ref.support` candidates with `ref.raw_probs` raw logprobs, as `ref` asks."""
 
@@ -111,7 +112,7 @@ def measure_floor(
 
 
 def confirm_wrong(
-    result: fidelity.FidelityRun,
+    result: fidelity_probe.FidelityRun,
     reference: str,
     ref: ServerReference,
     prompt_ids: Sequence[int],
@@ -120,7 +121,7 @@ def confirm_wrong(
     *,
     limit: int = 4,
     timeout: float = 120.0,
-) -> tuple[fidelity.FidelityRun, fidelity.NoiseFloor]:
+) -> tuple[fidelity_probe.FidelityRun, fidelity.NoiseFloor]:
     """Before a token is called real but wrong, the reference's spread is measured at its own
     prefix: the prefixes of the (at most `limit`) wrong tokens closest to their bound are
     measured (`prefix_answers`), the floor becomes the largest spread over those and `floor`,
@@ -147,7 +148,7 @@ def confirm_wrong(
         prefix_answers(reference, ref, p, sampler, timeout=timeout) for p in prefixes
     )
     wider = fidelity.widest(floor, local)
-    return fidelity.reclassify(result, prompt_ids, ref, fidelity.tolerance(wider)), wider
+    return fidelity_probe.reclassify(result, prompt_ids, ref, fidelity.tolerance(wider)), wider
 
 
 def run(
@@ -182,7 +183,7 @@ def run(
     sampling = sampler.request_fields()
     try:
         floor = measure_floor(reference, ref, ids, sampler, tokens=tokens, timeout=timeout)
-        res = fidelity.probe_server(
+        res = fidelity_probe.probe_server(
             url, prompt=ids, prompt_ids=ids, reference=ref, tol=fidelity.tolerance(floor),
             sampling=sampling, seeds=[seed], tokens=tokens, n_probs=top_k, kinds=KINDS,
             timeout=timeout,
