@@ -4,7 +4,7 @@ Every way of breaking HTTP on the wire in `hostile_backend.MODES` (bad chunk siz
 shorter or longer than the body, both framings, 1xx, garbage, a 5 MB event, one byte per write,
 silence, HTTP/1.0, header injection, placeholder variants, a reset mid-stream, ...), each for a
 streamed and a non-streamed request, with and without logprobs, through both transports: the
-forwarding core (`proxy.fast`) and aiohttp's path. For every combination:
+forwarding core (`proxy.forwarding`) and aiohttp's path. For every combination:
 
 - no truncated body is presented as complete: a 200 JSON body is exactly what the backend sent
   (placeholders nulled), anything else is an error status with a JSON error; a stream either
@@ -27,7 +27,7 @@ the request again (docs/proxy.md, "When a request is sent twice").
 
 How aiohttp's path is chosen: a proxy with `ProxyConfig.total_timeout` set (here 60 s, far
 above anything these backends do) hands every request to aiohttp's path
-(`core.Shared.direct_role`); each combination checks the core's own counter (`fast_path_total`)
+(`state.ProxyState.direct_role`); each combination checks the core's own counter (`fast_path_total`)
 to confirm which transport served it.
 
 Speed: eight proxies, one per (transport, stream, route), share two backends (plain and spec,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from specaudit.proxy.lifecycle import Proxy
     from specaudit.proxy.routing import Kind, Plan, RequestError, Route
     from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
-    from specaudit.proxy.shared import (
+    from specaudit.proxy.state import (
         H_ANNOTATED,
         H_BACKEND,
         H_FALLBACK,
@@ -46,12 +46,12 @@ _HOMES = {
     "ProxyConfig": "config",
     "ProxyError": "config",
     "parse_listen": "config",
-    "H_ANNOTATED": "shared",
-    "H_BACKEND": "shared",
-    "H_FALLBACK": "shared",
-    "H_PLACEHOLDERS": "shared",
-    "H_ROUTE": "shared",
-    "ProxyStats": "shared",
+    "H_ANNOTATED": "state",
+    "H_BACKEND": "state",
+    "H_FALLBACK": "state",
+    "H_PLACEHOLDERS": "state",
+    "H_ROUTE": "state",
+    "ProxyStats": "state",
     "Kind": "routing",
     "Plan": "routing",
     "RequestError": "routing",

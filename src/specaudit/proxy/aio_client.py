@@ -25,17 +25,17 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 
 from specaudit.proxy.backends import describe_error
-from specaudit.proxy.shared import PLAIN, SPEC, Shared, Unreachable, UpstreamFailed
+from specaudit.proxy.state import PLAIN, SPEC, ProxyState, Unreachable, UpstreamFailed
 
 log = logging.getLogger("specaudit.proxy")
 
 
-class Client:
+class BackendClient:
     """One pooled session per backend for non-streamed requests, one that closes each
     connection after use for streams (llama-server closes a streamed connection although it
     advertised keep-alive), one for role checks."""
 
-    def __init__(self, core: Shared) -> None:
+    def __init__(self, core: ProxyState) -> None:
         self.core = core
         config = core.config
         self.sessions: dict[str, aiohttp.ClientSession] = {}

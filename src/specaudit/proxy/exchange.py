@@ -6,7 +6,8 @@
 The re-send rule (docs/proxy.md, "When a request is sent twice") lives here for the core:
 
 - the connection was refused or timed out: nothing was written, so the request goes, with
-  its plan, to aiohttp's path, which marks the backend down and falls back (`Client.give_back`);
+  its plan, to aiohttp's path, which marks the backend down and falls back
+  (`ClientConnection.give_back`);
 - the backend closed a reused kept-alive connection without a byte of answer: re-sent once on
   a fresh connection (llama-server closes idle kept-alive connections; a backend that died
   refuses the fresh one, so nothing is generated twice);
@@ -15,7 +16,7 @@ The re-send rule (docs/proxy.md, "When a request is sent twice") lives here for 
 - anything else once the request was written (another status, a body that is not JSON, too
   large, garbage, silence, a connection closed mid-answer): answered here, never re-sent: the
   backend's own status and JSON error body, a 502/504 JSON error, or, once a stream began, an
-  SSE error event (all built by the shared layer, `shared`).
+  SSE error event (all built by the shared layer, `state`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Protocol, cast
 from specaudit.proxy import sse, wire
 from specaudit.proxy.http1 import RequestHead, ResponseHead, ResponseReader
 from specaudit.proxy.routing import Plan, Route
-from specaudit.proxy.shared import (
+from specaudit.proxy.state import (
     H_BACKEND,
     H_ROUTE,
-    Outcome,
-    Shared,
+    ProxyState,
+    RequestRecord,
     StreamState,
     Target,
     UpstreamFailed,
@@ -43,10 +44,10 @@ from specaudit.proxy.shared import (
 log = logging.getLogger("specaudit.proxy")
 
 
-class Client(Protocol):
-    """The client connection an exchange answers on (`fast.Front`)."""
+class ClientConnection(Protocol):
+    """The client connection an exchange answers on (`forwarding.Front`)."""
 
-    px: Shared
+    px: ProxyState
 
     def write(self, data: bytes) -> None: ...
 
@@ -136,7 +137,7 @@ class Exchange:
     connection); `Proxy.stop` waits for its future and ends it through
     ``outcome.stop_stream``."""
 
-    def __init__(self, front: Client, head: RequestHead, p: Plan, role: str, raw: bytes):
+    def __init__(self, front: ClientConnection, head: RequestHead, p: Plan, role: str, raw: bytes):
         self.front, self.head, self.p, self.role, self.raw = front, head, p, role, raw
         self.px = px = front.px
         self.loop = loop = asyncio.get_running_loop()
@@ -154,7 +155,7 @@ class Exchange:
         self.stream: Relay | None = None
         self.finished = False
         self._timer: asyncio.TimerHandle | None = None
-        self.outcome = o = Outcome(endpoint=head.path, route=p.route.value, backend=role)
+        self.outcome = o = RequestRecord(endpoint=head.path, route=p.route.value, backend=role)
         o.stop_stream = self.shut_down
         self.done: asyncio.Future[None] = loop.create_future()
         px.inflight[self.done] = o
@@ -404,7 +405,7 @@ class Exchange:
             + body
         )
 
-    def _answer(self, how: str, o: Outcome, error: UpstreamFailed | None) -> bool:
+    def _answer(self, how: str, o: RequestRecord, error: UpstreamFailed | None) -> bool:
         """Write the response (or its end) to the client; True to close the connection."""
         px = self.px
         if self.stream is not None:
@@ -476,7 +477,7 @@ def _error_message(raw: bytes) -> str:
 class Relay:
     """A stream relayed event by event as it arrives (as `stream_relay` does on aiohttp's path)."""
 
-    def __init__(self, ex: Exchange, o: Outcome) -> None:
+    def __init__(self, ex: Exchange, o: RequestRecord) -> None:
         self.ex, self.o = ex, o
         self.st = StreamState()
         self.splitter = sse.EventSplitter()

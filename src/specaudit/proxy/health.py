@@ -1,7 +1,7 @@
 """The backends' role checks: ``/slots`` at start, every ``check_interval``, and at once when
 something suggests a role changed (a backend dropped, the plain one sent a placeholder).
 
-Why apart from the transports: both mark a backend down (`core.Shared.mark_down`, which wakes
+Why apart from the transports: both mark a backend down (`state.ProxyState.mark_down`, which wakes
 the loop here); only the role check, over aiohttp's client, says it is up again.
 """
 
@@ -12,9 +12,9 @@ import contextlib
 import logging
 import time
 
-from specaudit.proxy.aio_client import Client
+from specaudit.proxy.aio_client import BackendClient
 from specaudit.proxy.backends import State, assess, probe
-from specaudit.proxy.shared import PLAIN, SPEC, Shared
+from specaudit.proxy.state import PLAIN, SPEC, ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -24,7 +24,7 @@ MIN_RECHECK = 1.0  # seconds: a backend found down is re-probed at most this oft
 class Checker:
     """Probes the backends' roles; concurrent callers for one backend share one probe."""
 
-    def __init__(self, core: Shared, client: Client) -> None:
+    def __init__(self, core: ProxyState, client: BackendClient) -> None:
         self.core = core
         self.client = client
         self.keys = {PLAIN: core.config.plain_api_key, SPEC: core.config.spec_api_key}

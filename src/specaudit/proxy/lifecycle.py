@@ -1,8 +1,8 @@
 """The proxy as one object: start, serve on both transports, check roles, stop gracefully.
 
-`Proxy` is the shared layer (`core.Shared`) plus what owns the sockets and tasks: the listener
-(every connection starts on the forwarding core, `fast.Front`), aiohttp's server for what the
-core hands over (`server.AiohttpPath`), aiohttp's client sessions (`aio_client.Client`) and
+`Proxy` is the shared layer (`state.ProxyState`) plus what owns the sockets and tasks: the listener
+(every connection starts on the forwarding core, `forwarding.Front`), aiohttp's server for what the
+core hands over (`server.AiohttpPath`), aiohttp's client sessions (`aio_client.BackendClient`) and
 the role checks (`health.Checker`). It is the only module that knows both transports.
 """
 
@@ -15,27 +15,27 @@ import time
 from typing import Any
 
 from specaudit import __version__
-from specaudit.proxy import fast
-from specaudit.proxy.aio_client import Client
+from specaudit.proxy import forwarding
+from specaudit.proxy.aio_client import BackendClient
 from specaudit.proxy.backends import State
 from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.health import Checker
 from specaudit.proxy.redact import install_log_redaction
 from specaudit.proxy.server import AiohttpPath
-from specaudit.proxy.shared import PLAIN, SPEC, Outcome, Shared
 from specaudit.proxy.slow_clients import BODY, HANDLING, IDLE, RequestHandler, WebServer
+from specaudit.proxy.state import PLAIN, SPEC, ProxyState, RequestRecord
 
 log = logging.getLogger("specaudit.proxy")
 
 ABORT_WAIT = 1.0  # seconds, on stop: for the requests ended after the grace period to finish
 
 
-class Proxy(Shared):
+class Proxy(ProxyState):
     """``await Proxy(config).start()``; then ``proxy.url`` serves until ``await proxy.stop()``."""
 
     def __init__(self, config: ProxyConfig) -> None:
         super().__init__(config)
-        self.client = Client(self)
+        self.client = BackendClient(self)
         self.checker = Checker(self, self.client)
         self.aiohttp_path = AiohttpPath(self, self.client, self.checker)
         self._check_task: asyncio.Task[None] | None = None
@@ -66,7 +66,7 @@ class Proxy(Shared):
             loop = asyncio.get_running_loop()
             try:
                 self._server = await loop.create_server(
-                    lambda: fast.Front(self),
+                    lambda: forwarding.Front(self),
                     self.config.host,
                     self.config.port,
                     reuse_address=True,
@@ -181,14 +181,14 @@ class Proxy(Shared):
                 if waiter is not None:
                     waiter.cancel()
 
-    def _abort(self, task: asyncio.Future[Any], o: Outcome) -> None:
+    def _abort(self, task: asyncio.Future[Any], o: RequestRecord) -> None:
         """End one request at the end of the grace period."""
         if o.shutdown or task.done():
             return
         o.shutdown = True
         if o.stop_stream is not None:
             # a stream being relayed ends with an error event (`stream_relay`); a fast-path
-            # request ends itself (`fast.Exchange.shut_down`: the error event, or a 503)
+            # request ends itself (`forwarding.Exchange.shut_down`: the error event, or a 503)
             o.stop_stream()
         else:
             # nothing sent yet: the handler answers 503 (`AiohttpPath.handle`)

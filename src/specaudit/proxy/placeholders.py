@@ -26,13 +26,13 @@ from specaudit.proxy.routing import Kind
 
 
 @dataclass
-class Tally:
+class PlaceholderTally:
     """Tokens seen and placeholders rewritten, accumulated over one response."""
 
     tokens: int = 0
     placeholders: int = 0
 
-    def add(self, other: Tally) -> None:
+    def add(self, other: PlaceholderTally) -> None:
         self.tokens += other.tokens
         self.placeholders += other.placeholders
 
@@ -63,9 +63,9 @@ def _candidates(entry: Any) -> int:
     return len(c) if isinstance(c, list | dict) else 0
 
 
-def check_entries(entries: list[Any], requested: int) -> Tally:
+def check_entries(entries: list[Any], requested: int) -> PlaceholderTally:
     """Token entries ``{token, logprob|prob, top_logprobs|top_probs}``; placeholders -> null."""
-    t = Tally()
+    t = PlaceholderTally()
     for e in entries:
         if not is_node(e):
             continue
@@ -81,9 +81,9 @@ def check_entries(entries: list[Any], requested: int) -> Tally:
     return t
 
 
-def _check_legacy(lp: Any, requested: int) -> Tally:
+def _check_legacy(lp: Any, requested: int) -> PlaceholderTally:
     """OpenAI legacy completions form: ``tokens``, ``token_logprobs``, ``top_logprobs``."""
-    t = Tally()
+    t = PlaceholderTally()
     tokens = get(lp, "tokens")
     values = get(lp, "token_logprobs")
     tops = get(lp, "top_logprobs")
@@ -99,7 +99,7 @@ def _check_legacy(lp: Any, requested: int) -> Tally:
     return t
 
 
-def check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
+def check_choice_logprobs(lp: Any, requested: int) -> PlaceholderTally | None:
     """A choice's ``logprobs`` (chat ``content`` entries, or the legacy completions form);
     None when it carries no token entries at all."""
     if not is_node(lp):
@@ -112,9 +112,9 @@ def check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
     return None
 
 
-def check_body(kind: Kind, body: Any, requested: int) -> Tally:
+def check_body(kind: Kind, body: Any, requested: int) -> PlaceholderTally:
     """A whole (non-streamed) response body."""
-    t = Tally()
+    t = PlaceholderTally()
     if requested <= 0:
         return t
     if kind is Kind.COMPLETION:
@@ -150,13 +150,15 @@ def _missing_entry(token: str, post_sampling: bool, token_id: int | None = None)
     return e
 
 
-def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = False) -> Tally:
+def check_event(
+    kind: Kind, event: Any, requested: int, post_sampling: bool = False
+) -> PlaceholderTally:
     """One streamed event (parsed ``data:`` JSON).
 
     A token streamed with no probability entry is a placeholder: the entry is added with
     ``logprob: null`` so a client that asked for logprobs sees the gap instead of nothing.
     """
-    t = Tally()
+    t = PlaceholderTally()
     if requested <= 0 or not isinstance(event, dict):
         return t
     if kind is Kind.COMPLETION:
@@ -175,10 +177,10 @@ def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = Fa
                 _missing_entry(text if j == 0 else "", post_sampling, tid)
                 for j, tid in enumerate(ids)
             ]
-            return Tally(len(ids), len(ids))
+            return PlaceholderTally(len(ids), len(ids))
         if text:
             event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
-            return Tally(1, 1)
+            return PlaceholderTally(1, 1)
         return t
     choices = event.get("choices")
     if not isinstance(choices, list):
@@ -204,5 +206,5 @@ def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = Fa
             text = v if isinstance(v, str) else ""
         if text:
             ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
-            t.add(Tally(1, 1))
+            t.add(PlaceholderTally(1, 1))
     return t

@@ -1,19 +1,19 @@
 """aiohttp's path: every request the forwarding core does not serve, and every rule.
 
-Every connection starts on the forwarding core (`fast`); whatever it does not take goes, bytes
+Every connection starts on the forwarding core (`forwarding`); whatever it does not take goes, bytes
 read so far included, to aiohttp's server (`slow_clients.WebServer`), whose handler is
-`AiohttpPath.handle`. Both depend on the shared layer (`shared`) only: the backends' roles, the
+`AiohttpPath.handle`. Both depend on the shared layer (`state`) only: the backends' roles, the
 counters, the access log and the graceful stop live there.
 
 Request path, in order:
 1. exact path match (`routing.ENDPOINTS`; anything else is a 404 from the proxy), method check,
-   headers and body read with a size limit and a deadline (`shared.ClientGuard`: 408), JSON and
+   headers and body read with a size limit and a deadline (`state.ClientGuard`: 408), JSON and
    field-type validation (4xx with a message);
 2. routing: a request that asks for logprobs goes to the plain backend, anything else to the
    speculating one (`routing.plan`, or the plan the core handed over with the request);
 3. forwarding: the body bytes unchanged to ``<backend URL><same path>``; only
    ``Content-Type`` and the client's ``Authorization`` are passed on (`aio_client`);
-4. relaying: non-streamed bodies are checked and forwarded whole (`core.Shared.body_answer`),
+4. relaying: non-streamed bodies are checked and forwarded whole (`state.ProxyState.body_answer`),
    SSE event by event as it arrives (`stream_relay`). Responses to logprobs requests are
    checked token by token whichever backend sent them; a placeholder becomes
    ``logprob: null`` (`placeholders`).
@@ -37,25 +37,25 @@ from aiohttp import web
 from specaudit import __version__
 from specaudit.proxy import metrics as metrics_mod
 from specaudit.proxy import routing
-from specaudit.proxy.aio_client import Client
+from specaudit.proxy.aio_client import BackendClient
 from specaudit.proxy.backends import State
 from specaudit.proxy.config import OnPlainDown
 from specaudit.proxy.health import Checker
 from specaudit.proxy.routing import Kind, Plan, RequestError, Route
-from specaudit.proxy.shared import (
+from specaudit.proxy.slow_clients import BODY, WebServer, conn_of
+from specaudit.proxy.state import (
     H_ANNOTATED,
     H_BACKEND,
     H_FALLBACK,
     H_ROUTE,
     PLAIN,
     SPEC,
-    Outcome,
-    Shared,
+    ProxyState,
+    RequestRecord,
     Unreachable,
     UpstreamFailed,
     error_body,
 )
-from specaudit.proxy.slow_clients import BODY, WebServer, conn_of
 from specaudit.proxy.stream_relay import relay_stream
 
 log = logging.getLogger("specaudit.proxy")
@@ -76,9 +76,9 @@ def error_response(
 
 
 class AiohttpPath:
-    """aiohttp's handler for the proxy's requests, over the shared `Shared`."""
+    """aiohttp's handler for the proxy's requests, over the shared `ProxyState`."""
 
-    def __init__(self, core: Shared, client: Client, checker: Checker) -> None:
+    def __init__(self, core: ProxyState, client: BackendClient, checker: Checker) -> None:
         self.core = core
         self.config = core.config
         self.metrics = core.metrics
@@ -99,7 +99,7 @@ class AiohttpPath:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0 = time.perf_counter()
-        o = Outcome(endpoint=request.path if request.path in _KNOWN_PATHS else "other")
+        o = RequestRecord(endpoint=request.path if request.path in _KNOWN_PATHS else "other")
         task = asyncio.current_task()
         if task is not None:
             self.core.inflight[task] = o
@@ -161,7 +161,7 @@ class AiohttpPath:
         o.status = o.status or 499
         o.note = "client disconnected"
 
-    async def _dispatch(self, request: web.BaseRequest, o: Outcome) -> web.StreamResponse:
+    async def _dispatch(self, request: web.BaseRequest, o: RequestRecord) -> web.StreamResponse:
         path = request.path
         if path in ("/health", "/metrics"):
             self._body_done(request)
@@ -201,7 +201,7 @@ class AiohttpPath:
         return await self._serve(request, p, o, failed)
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """The whole body, by the request's deadline (`shared.ClientGuard`) and within the limit."""
+        """The whole body, by the request's deadline (`state.ClientGuard`) and within the limit."""
         limit = self.config.max_body_bytes
         conn = conn_of(request)
         try:
@@ -264,7 +264,7 @@ class AiohttpPath:
 
     # routing decisions ----------------------------------------------------------------------
 
-    async def _serve_models(self, request: web.BaseRequest, o: Outcome) -> web.StreamResponse:
+    async def _serve_models(self, request: web.BaseRequest, o: RequestRecord) -> web.StreamResponse:
         for role in (SPEC, PLAIN):
             try:
                 return await self._forward(
@@ -274,7 +274,7 @@ class AiohttpPath:
                 self.core.mark_down(role, str(e))
         return self._no_backend(o)
 
-    def _no_backend(self, o: Outcome) -> web.Response:
+    def _no_backend(self, o: RequestRecord) -> web.Response:
         self.metrics.errors.inc("no_backend")
         o.note = "no backend reachable"
         return error_response(
@@ -284,7 +284,7 @@ class AiohttpPath:
         )
 
     async def _serve(
-        self, request: web.BaseRequest, p: Plan, o: Outcome, failed: dict[str, str]
+        self, request: web.BaseRequest, p: Plan, o: RequestRecord, failed: dict[str, str]
     ) -> web.StreamResponse:
         """`failed`: backends that did not take this request already (the core tried them)."""
         if p.route is Route.DEFAULT:
@@ -354,7 +354,7 @@ class AiohttpPath:
         request: web.BaseRequest,
         p: Plan | None,
         role: str,
-        o: Outcome,
+        o: RequestRecord,
         *,
         check: bool,
         annotated: bool,
@@ -426,7 +426,7 @@ class AiohttpPath:
         resp: aiohttp.ClientResponse,
         p: Plan | None,
         role: str,
-        o: Outcome,
+        o: RequestRecord,
         headers: dict[str, str],
         *,
         check: bool,

@@ -3,7 +3,7 @@
 Why its own module: the relay is where a stream can fail halfway (a backend that closes,
 goes silent, breaks its framing or sends an event that cannot be checked; the proxy
 stopping), after the client already has the headers and some events. Each failure ends the
-stream with one SSE error event (`core.Shared.stream_error`), the same event the forwarding
+stream with one SSE error event (`state.ProxyState.stream_error`), the same event the forwarding
 core sends; nothing is re-sent to a backend.
 """
 
@@ -19,18 +19,25 @@ from specaudit.proxy import sse
 from specaudit.proxy.aio_client import BrokenFraming, unread
 from specaudit.proxy.backends import describe_error
 from specaudit.proxy.routing import Plan
-from specaudit.proxy.shared import Outcome, Shared, ShuttingDown, StreamState, Withheld, withheld
+from specaudit.proxy.state import (
+    ProxyState,
+    RequestRecord,
+    ShuttingDown,
+    StreamState,
+    Withheld,
+    withheld,
+)
 
 log = logging.getLogger("specaudit.proxy")
 
 
 async def relay_stream(
-    core: Shared,
+    core: ProxyState,
     request: web.BaseRequest,
     resp: aiohttp.ClientResponse,
     p: Plan,
     role: str,
-    o: Outcome,
+    o: RequestRecord,
     headers: dict[str, str],
     check: bool,
     annotated: bool,
@@ -136,7 +143,7 @@ async def relay_stream(
     return out
 
 
-async def _send(core: Shared, out: web.StreamResponse, data: bytes, o: Outcome) -> bool:
+async def _send(core: ProxyState, out: web.StreamResponse, data: bytes, o: RequestRecord) -> bool:
     """Write to the client; False when it has gone (the caller then drops upstream)."""
     try:
         await out.write(data)

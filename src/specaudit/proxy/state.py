@@ -1,17 +1,19 @@
 """The proxy's transport-neutral layer: what both of its transports share.
 
-The proxy answers on two transports: the asyncio forwarding core (`fast`) and aiohttp's path
+The proxy answers on two transports: the asyncio forwarding core (`forwarding`) and aiohttp's path
 (`server`). Each depends on this module only (never on the other), so every rule that is not
 about bytes on a socket has one home here:
 
-- choosing a backend for a plan (`Shared.direct_role`; the fallbacks are aiohttp's path's);
-- checking a backend's answer: a whole body (`Shared.body_answer`), stream events
-  (`Shared.events`), the end of a stream (`Shared.unfinished`, `Shared.stream_error`);
-- accounting for an outcome (`Outcome`, `Shared.account`, `Shared.count`, `Shared.mark_down`);
-- error bodies (`error_body`) and the stop/drain state (`Shared.draining`, `Shared.inflight`);
-- the pool of kept-alive backend connections (`Shared.pool_get`, `Shared.pool_put`) and the
+- choosing a backend for a plan (`ProxyState.direct_role`; the fallbacks are aiohttp's path's);
+- checking a backend's answer: a whole body (`ProxyState.body_answer`), stream events
+  (`ProxyState.events`), the end of a stream (`ProxyState.unfinished`, `ProxyState.stream_error`);
+- accounting for an outcome (`RequestRecord`, `ProxyState.account`, `ProxyState.count`,
+  `ProxyState.mark_down`);
+- error bodies (`error_body`) and the stop/drain state (`ProxyState.draining`,
+  `ProxyState.inflight`);
+- the pool of kept-alive backend connections (`ProxyState.pool_get`, `ProxyState.pool_put`) and the
   deadline for clients sending a request (`ClientGuard`);
-- the hand-over of a connection from the core to aiohttp's path (`Shared.adopter`,
+- the hand-over of a connection from the core to aiohttp's path (`ProxyState.adopter`,
   `Handover`): a request handed over carries its plan, so it is never planned twice.
 
 The re-send rule (docs/proxy.md, "When a request is sent twice") is kept by both transports:
@@ -38,7 +40,7 @@ from specaudit.proxy import metrics as metrics_mod
 from specaudit.proxy import sse
 from specaudit.proxy.backends import BackendStatus, State
 from specaudit.proxy.config import ProxyConfig
-from specaudit.proxy.placeholders import Tally, check_body, check_event
+from specaudit.proxy.placeholders import PlaceholderTally, check_body, check_event
 from specaudit.proxy.routing import Kind, Plan, RequestError, Route
 
 log = logging.getLogger("specaudit.proxy")
@@ -107,13 +109,13 @@ def withheld(role: str, e: Exception) -> str:
     )
 
 
-def count_comment(t: Tally) -> bytes:
+def count_comment(t: PlaceholderTally) -> bytes:
     """Where an annotated stream says how many placeholders it rewrote (headers went first)."""
     return sse.comment(f"specaudit-placeholders {t.placeholders}")
 
 
 @dataclass
-class Outcome:
+class RequestRecord:
     """What the access log line and the request counter say about one request."""
 
     endpoint: str = "-"
@@ -130,7 +132,7 @@ class Outcome:
 
 @dataclass
 class StreamState:
-    tally: Tally = field(default_factory=Tally)
+    tally: PlaceholderTally = field(default_factory=PlaceholderTally)
     finished: bool = False  # saw [DONE], a final stop event, or an error event
 
 
@@ -177,7 +179,7 @@ class Adopter(Protocol):
 
 
 class Pooled(Protocol):
-    """A kept-alive backend connection (`fast.Upstream`)."""
+    """A kept-alive backend connection (`forwarding.Upstream`)."""
 
     lost: bool
     idle_since: float
@@ -218,7 +220,7 @@ class ClientGuard:
     def __init__(self, timeout: float, limit: int, on_timeout: Callable[[str], None]) -> None:
         self.timeout, self.limit = timeout, limit
         self.on_timeout = on_timeout  # called with the peer when a 408 is sent in the headers
-        # aiohttp's handlers and the core's `fast.Front`s, insertion order: oldest first
+        # aiohttp's handlers and the core's `forwarding.Front`s, insertion order: oldest first
         self._sending: dict[Any, None] = {}
 
     def __len__(self) -> int:
@@ -249,7 +251,7 @@ class ClientGuard:
         return f"client timeout: the request was not complete {self.timeout:g}s after it began"
 
 
-class Shared:
+class ProxyState:
     """The state both transports share: backends' roles, counters, requests in flight, the
     stop in progress, the core's pool. `lifecycle.Proxy` adds start, stop and role checks."""
 
@@ -267,7 +269,7 @@ class Shared:
             config.client_timeout, config.max_incomplete_requests, self.client_timed_out
         )
         # every request being served (each transport's future or task), for a graceful stop
-        self.inflight: dict[asyncio.Future[Any], Outcome] = {}
+        self.inflight: dict[asyncio.Future[Any], RequestRecord] = {}
         self.draining = False
         self.wake: asyncio.Event | None = None  # set: re-check the backends' roles now
         # the forwarding core: client connections it holds, kept-alive backend connections,
@@ -367,7 +369,7 @@ class Shared:
         self.metrics.requests.inc("other", "-", "none", "408")
         log.info("client %s: status=408 (request headers not complete in time)", peer)
 
-    def account(self, method: str, o: Outcome, t0: float) -> None:
+    def account(self, method: str, o: RequestRecord, t0: float) -> None:
         """One request answered (by either transport): its counters and its access log line."""
         self.metrics.in_flight.inc(by=-1)
         dt = time.perf_counter() - t0
@@ -391,18 +393,18 @@ class Shared:
     def request_done(self, task: asyncio.Future[Any]) -> None:
         self.inflight.pop(task, None)
 
-    def disconnected(self, o: Outcome) -> None:
+    def disconnected(self, o: RequestRecord) -> None:
         # the client went away; leaving the handler closes the upstream request
         self.metrics.errors.inc("client_disconnect")
         o.status = o.status or 499
         o.note = "client disconnected"
 
-    def failed(self, e: UpstreamFailed, o: Outcome) -> None:
+    def failed(self, e: UpstreamFailed, o: RequestRecord) -> None:
         """A backend's unusable answer, counted (the transport answers `e.status`)."""
         self.metrics.errors.inc(e.kind)
         o.note = e.kind
 
-    def count(self, role: str, t: Tally, o: Outcome) -> None:
+    def count(self, role: str, t: PlaceholderTally, o: RequestRecord) -> None:
         o.placeholders = (o.placeholders or 0) + t.placeholders
         if t.tokens:
             self.metrics.tokens_checked.inc(role, by=t.tokens)
@@ -425,7 +427,7 @@ class Shared:
         content_type: str,
         p: Plan | None,
         role: str,
-        o: Outcome,
+        o: RequestRecord,
         headers: dict[str, str],
         *,
         check: bool,
@@ -458,7 +460,7 @@ class Shared:
         return raw
 
     def checked_body(
-        self, p: Plan, raw: bytes, obj: Any, role: str, o: Outcome
+        self, p: Plan, raw: bytes, obj: Any, role: str, o: RequestRecord
     ) -> tuple[bytes, int]:
         """A logprobs response body checked: the bytes to send (re-encoded only when a
         placeholder was rewritten to null) and how many were."""
@@ -538,7 +540,7 @@ class Shared:
         return None
 
     def stream_error(
-        self, error: tuple[str, str], st: StreamState, o: Outcome, annotated: bool
+        self, error: tuple[str, str], st: StreamState, o: RequestRecord, annotated: bool
     ) -> bytes:
         """The end of a stream that failed: counted, then its SSE error event."""
         self.metrics.errors.inc(error[0])
