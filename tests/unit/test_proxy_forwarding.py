@@ -24,8 +24,8 @@ from specaudit.proxy import (
     RunningProxy,
     forwarding,
     http1,
+    pool,
     serve_in_thread,
-    state,
     wire,
 )
 
@@ -279,8 +279,8 @@ def test_response_head_for_the_client() -> None:
 
 
 def test_https_backends_are_left_to_aiohttp() -> None:
-    assert state.target("https://example.com:8443/x") is None
-    t = state.target("http://127.0.0.1:8080/prefix")
+    assert pool.target("https://example.com:8443/x") is None
+    t = pool.target("http://127.0.0.1:8080/prefix")
     assert t is not None and (t.host, t.port, t.prefix_b) == ("127.0.0.1", 8080, b"/prefix")
 
 

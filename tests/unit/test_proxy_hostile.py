@@ -33,7 +33,7 @@ from aiohttp import web
 import fakes
 from specaudit.llama import free_port
 from specaudit.proxy import H_PLACEHOLDERS, ProxyConfig, RunningProxy, redact, serve_in_thread, sse
-from specaudit.proxy import state as state_mod
+from specaudit.proxy import answers as answers_mod
 from specaudit.proxy.placeholders import PlaceholderTally, check_body, check_event
 from specaudit.proxy.routing import Kind
 
@@ -195,7 +195,7 @@ def test_a_failing_check_ends_a_stream_with_an_error_event(monkeypatch: pytest.M
             raise RuntimeError("hostile")
         return check_event(kind, event, requested, post_sampling)
 
-    monkeypatch.setattr(state_mod, "check_event", broken)
+    monkeypatch.setattr(answers_mod, "check_event", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json={**REQ, "stream": True})
         objs = sse_objects(r.content)  # complete events, not a torn connection
@@ -209,7 +209,7 @@ def test_a_failing_check_of_a_body_is_a_clean_json_error(monkeypatch: pytest.Mon
     def broken(*a: object, **k: object) -> object:
         raise RuntimeError("hostile")
 
-    monkeypatch.setattr(state_mod, "check_body", broken)
+    monkeypatch.setattr(answers_mod, "check_body", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json=REQ)
         assert r.status_code == 500

@@ -16,7 +16,7 @@ The re-send rule (docs/proxy.md, "When a request is sent twice") lives here for 
 - anything else once the request was written (another status, a body that is not JSON, too
   large, garbage, silence, a connection closed mid-answer): answered here, never re-sent: the
   backend's own status and JSON error body, a 502/504 JSON error, or, once a stream began, an
-  SSE error event (all built by the shared layer, `state`).
+  SSE error event (all built by the shared layer, `answers`).
 """
 
 from __future__ import annotations
@@ -28,18 +28,12 @@ import time
 from typing import Protocol, cast
 
 from specaudit.proxy import sse, wire
+from specaudit.proxy.accounting import RequestRecord
+from specaudit.proxy.answers import H_BACKEND, H_ROUTE, StreamState, UpstreamFailed, error_body
 from specaudit.proxy.http1 import RequestHead, ResponseHead, ResponseReader
+from specaudit.proxy.pool import Target
 from specaudit.proxy.routing import Plan, Route
-from specaudit.proxy.state import (
-    H_BACKEND,
-    H_ROUTE,
-    ProxyState,
-    RequestRecord,
-    StreamState,
-    Target,
-    UpstreamFailed,
-    error_body,
-)
+from specaudit.proxy.state import ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -160,13 +154,13 @@ class Exchange:
         self.done: asyncio.Future[None] = loop.create_future()
         px.inflight[self.done] = o
         self.done.add_done_callback(px.request_done)
-        px.busy[role] += 1
+        px.pool.busy[role] += 1
         px.metrics.in_flight.inc()
 
     # sending --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        up = None if self.p.stream or self.attempt else self.px.pool_get(self.role)
+        up = None if self.p.stream or self.attempt else self.px.pool.get(self.role)
         if up is None:
             self.loop.create_task(self._connect())
         else:
@@ -174,7 +168,7 @@ class Exchange:
             self._send(cast(Upstream, up))
 
     async def _connect(self) -> None:
-        t = self.px.targets[self.role]
+        t = self.px.pool.targets[self.role]
         assert t is not None
         try:
             async with asyncio.timeout(self.px.config.connect_timeout):
@@ -200,7 +194,7 @@ class Exchange:
     def _send(self, up: Upstream) -> None:
         self.up = up
         self.last = self.loop.time()
-        t = self.px.targets[self.role]
+        t = self.px.pool.targets[self.role]
         assert t is not None
         self.written = True
         up.send(self._request_bytes(t), self)
@@ -373,10 +367,10 @@ class Exchange:
         up = self.up
         if up is not None:
             if up.reusable and not up.lost and not self.p.stream and how == "end":
-                px.pool_put(self.role, up)
+                px.pool.put(self.role, up)
             else:
                 up.close()
-        px.busy[self.role] -= 1
+        px.pool.busy[self.role] -= 1
         if how == "give-back" and not self.sent:
             assert failed is not None
             px.metrics.fast_path.inc("given_back")
@@ -385,7 +379,7 @@ class Exchange:
             front.give_back(self, (self.role, failed))
             return
         px.metrics.fast_path.inc("served")
-        px.account("POST", o, self.t0)
+        px.accounting.account("POST", o, self.t0)
         self.done.set_result(None)
         front.done(close)
 
@@ -413,7 +407,7 @@ class Exchange:
                 self.stream.client_gone()
             return self.stream.close_after
         if how == "client-gone":
-            px.disconnected(o)
+            px.accounting.disconnected(o)
             return True
         if how == "shutdown":
             px.metrics.errors.inc("shutdown")
@@ -430,7 +424,7 @@ class Exchange:
                 f"{px.config.read_timeout:g}s mid-response",
             )
         if error is not None:
-            px.failed(error, o)
+            px.accounting.failed(error, o)
             self._write_error(error.status, error.message, self.head.close, self._headers())
             return False
         # a whole body
@@ -441,7 +435,7 @@ class Exchange:
             raise _GiveBack(f"answered HTTP 503 ({_error_message(raw)})")
         headers = dict(self._headers())
         try:
-            raw = px.body_answer(
+            raw = px.checks.body_answer(
                 raw,
                 resp.status,
                 resp.content_type or "application/json",
@@ -491,7 +485,9 @@ class Relay:
         px = ex.px
         events = self.splitter.feed(data)
         if events:
-            pieces, bad = px.events(events, ex.p, self.st, ex.role, check=ex.check, annotated=False)
+            pieces, bad = px.checks.events(
+                events, ex.p, self.st, ex.role, check=ex.check, annotated=False
+            )
             if pieces:
                 ex.front.write(wire.chunk(b"".join(pieces)))
             if bad is not None:
@@ -544,13 +540,13 @@ class Relay:
         if self.st.finished:
             error = None  # nothing after the last event, not even an error
         elif error is None:
-            error = px.unfinished(self.splitter, self.st, ex.role)
+            error = px.checks.unfinished(self.splitter, self.st, ex.role)
         if ex.check:
-            px.count(ex.role, self.st.tally, self.o)
+            px.accounting.count(ex.role, self.st.tally, self.o)
         self.o.status = self.o.status or 200
         tail = b""
         if error is not None:
-            tail = px.stream_error(error, self.st, self.o, annotated=False)
+            tail = px.checks.stream_error(error, self.st, self.o, annotated=False)
         ex.front.write((wire.chunk(tail) if tail else b"") + wire.LAST_CHUNK)
         if ex.up is not None and error is not None:
             ex.up.close()
@@ -559,7 +555,7 @@ class Relay:
         if not self.ended:
             self.ended = True
             if self.ex.check:
-                self.ex.px.count(self.ex.role, self.st.tally, self.o)
+                self.ex.px.accounting.count(self.ex.role, self.st.tally, self.o)
             self.ex.px.metrics.errors.inc("client_disconnect")
             self.o.status, self.o.note = 499, "client disconnected"
         self.close_after = True

@@ -23,7 +23,7 @@ re-encoding of unchanged bytes:
   error, or (once the stream began) an SSE error event, built by the shared layer.
 
 Responses to logprobs requests are checked here with the shared functions
-(`state.ProxyState.body_answer`, `state.ProxyState.events`); the counters, access log and
+(`answers.AnswerChecks.body_answer`, `answers.AnswerChecks.events`); the counters, access log and
 graceful stop are shared. HTTP/1.1 is read with llhttp (`http1`). Memory per client
 connection is bounded: while a request is answered at most `PIPELINE_BUFFER` bytes of
 pipelined requests are read ahead, and while the client does not read its answers (its

@@ -16,14 +16,15 @@ from typing import Any
 
 from specaudit import __version__
 from specaudit.proxy import forwarding
+from specaudit.proxy.accounting import RequestRecord
 from specaudit.proxy.aio_client import BackendClient
-from specaudit.proxy.backends import State
+from specaudit.proxy.backends import PLAIN, SPEC, State
 from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.health import Checker
 from specaudit.proxy.redact import install_log_redaction
 from specaudit.proxy.server import AiohttpPath
 from specaudit.proxy.slow_clients import BODY, HANDLING, IDLE, RequestHandler, WebServer
-from specaudit.proxy.state import PLAIN, SPEC, ProxyState, RequestRecord
+from specaudit.proxy.state import ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -157,9 +158,7 @@ class Proxy(ProxyState):
                 await asyncio.wait_for(self._server.wait_closed(), ABORT_WAIT)
             self._server = None
         await self.client.close()
-        for pool in self.pools.values():
-            while pool:
-                pool.pop().close()
+        self.pool.close()
 
     async def _drain(self, grace: float) -> None:
         """Wait until no request is in flight, `grace` has passed, or `hurry` was called."""

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from specaudit.proxy.accounting import ProxyStats
 from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.lifecycle import Proxy
-from specaudit.proxy.state import ProxyStats
 
 LOOPS = ("auto", "uvloop", "asyncio")
 

@@ -13,10 +13,10 @@ Request path, in order:
    speculating one (`routing.plan`, or the plan the core handed over with the request);
 3. forwarding: the body bytes unchanged to ``<backend URL><same path>``; only
    ``Content-Type`` and the client's ``Authorization`` are passed on (`aio_client`);
-4. relaying: non-streamed bodies are checked and forwarded whole (`state.ProxyState.body_answer`),
-   SSE event by event as it arrives (`stream_relay`). Responses to logprobs requests are
-   checked token by token whichever backend sent them; a placeholder becomes
-   ``logprob: null`` (`placeholders`).
+4. relaying: non-streamed bodies are checked and forwarded whole
+   (`answers.AnswerChecks.body_answer`), SSE event by event as it arrives (`stream_relay`).
+   Responses to logprobs requests are checked token by token whichever backend sent them; a
+   placeholder becomes ``logprob: null`` (`placeholders`).
 
 A backend that did not take a request (refused connection, HTTP 503) is marked down and the
 request falls back (plain serves everything; a logprobs request is refused or annotated per
@@ -37,25 +37,22 @@ from aiohttp import web
 from specaudit import __version__
 from specaudit.proxy import metrics as metrics_mod
 from specaudit.proxy import routing
+from specaudit.proxy.accounting import RequestRecord
 from specaudit.proxy.aio_client import BackendClient
-from specaudit.proxy.backends import State
-from specaudit.proxy.config import OnPlainDown
-from specaudit.proxy.health import Checker
-from specaudit.proxy.routing import Kind, Plan, RequestError, Route
-from specaudit.proxy.slow_clients import BODY, WebServer, conn_of
-from specaudit.proxy.state import (
+from specaudit.proxy.answers import (
     H_ANNOTATED,
     H_BACKEND,
     H_FALLBACK,
     H_ROUTE,
-    PLAIN,
-    SPEC,
-    ProxyState,
-    RequestRecord,
-    Unreachable,
     UpstreamFailed,
     error_body,
 )
+from specaudit.proxy.backends import PLAIN, SPEC, State
+from specaudit.proxy.config import OnPlainDown
+from specaudit.proxy.health import Checker
+from specaudit.proxy.routing import Kind, Plan, RequestError, Route
+from specaudit.proxy.slow_clients import BODY, WebServer, conn_of
+from specaudit.proxy.state import ProxyState, Unreachable
 from specaudit.proxy.stream_relay import relay_stream
 
 log = logging.getLogger("specaudit.proxy")
@@ -78,18 +75,18 @@ def error_response(
 class AiohttpPath:
     """aiohttp's handler for the proxy's requests, over the shared `ProxyState`."""
 
-    def __init__(self, core: ProxyState, client: BackendClient, checker: Checker) -> None:
-        self.core = core
-        self.config = core.config
-        self.metrics = core.metrics
+    def __init__(self, state: ProxyState, client: BackendClient, checker: Checker) -> None:
+        self.state = state
+        self.config = state.config
+        self.metrics = state.metrics
         self.client = client
         self.checker = checker
 
     def web_server(self) -> WebServer:
         return WebServer(
             self.handle,
-            on_bad_http=self.core.bad_http,
-            guard=self.core.guard,
+            on_bad_http=self.state.accounting.bad_http,
+            guard=self.state.guard,
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=75.0,
@@ -102,12 +99,12 @@ class AiohttpPath:
         o = RequestRecord(endpoint=request.path if request.path in _KNOWN_PATHS else "other")
         task = asyncio.current_task()
         if task is not None:
-            self.core.inflight[task] = o
-            task.add_done_callback(self.core.request_done)
+            self.state.inflight[task] = o
+            task.add_done_callback(self.state.request_done)
         self.metrics.in_flight.inc()
         resp: web.StreamResponse | None = None
         try:
-            if self.core.draining:
+            if self.state.draining:
                 self.metrics.errors.inc("shutdown")
                 o.note = "shutting down"
                 resp = error_response(503, "the proxy is shutting down; retry elsewhere or later")
@@ -141,20 +138,20 @@ class AiohttpPath:
                 task.uncancel()
                 self.metrics.errors.inc("shutdown")
                 o.status, o.note = 503, "shutting down"
-                resp = error_response(503, self.core.shutdown_message())
+                resp = error_response(503, self.state.shutdown_message())
                 return resp
-            self.core.disconnected(o)
+            self.state.accounting.disconnected(o)
             raise
         except ConnectionResetError:
-            self.core.disconnected(o)
+            self.state.accounting.disconnected(o)
             raise
         finally:
-            if self.core.draining and resp is not None:
+            if self.state.draining and resp is not None:
                 resp.force_close()  # no further request on this connection
             conn = conn_of(request)
             if conn is not None:
                 conn.body_done()
-            self.core.account(request.method, o, t0)
+            self.state.accounting.account(request.method, o, t0)
 
         # the client went away; leaving the handler closes the upstream request
         self.metrics.errors.inc("client_disconnect")
@@ -228,14 +225,14 @@ class AiohttpPath:
                         chunks.append(chunk)
             except TimeoutError:
                 evicted = conn is not None and conn.evicted
-                raise RequestError(408, self.core.guard.message(evicted)) from None
+                raise RequestError(408, self.state.guard.message(evicted)) from None
             return b"".join(chunks)
         finally:
             if conn is not None:
                 conn.body_done()
 
     def _health(self) -> web.Response:
-        b = self.core.backends
+        b = self.state.backends
         plain_ok = b[PLAIN].state is State.UP
         spec_ok = b[SPEC].state is State.UP
         if plain_ok and spec_ok:
@@ -271,7 +268,7 @@ class AiohttpPath:
                     request, None, role, o, check=False, annotated=False, method="GET"
                 )
             except Unreachable as e:
-                self.core.mark_down(role, str(e))
+                self.state.mark_down(role, str(e))
         return self._no_backend(o)
 
     def _no_backend(self, o: RequestRecord) -> web.Response:
@@ -280,7 +277,7 @@ class AiohttpPath:
         return error_response(
             503,
             "neither backend is reachable: plain "
-            f"{self.core.backends[PLAIN].detail}; spec {self.core.backends[SPEC].detail}",
+            f"{self.state.backends[PLAIN].detail}; spec {self.state.backends[SPEC].detail}",
         )
 
     async def _serve(
@@ -293,7 +290,7 @@ class AiohttpPath:
                     request, p, SPEC, o, check=False, annotated=False, failed=failed
                 )
             except Unreachable as e:
-                self.core.mark_down(SPEC, str(e))
+                self.state.mark_down(SPEC, str(e))
             # the plain backend serves everything correctly, only slower
             try:
                 return await self._forward(
@@ -307,7 +304,7 @@ class AiohttpPath:
                     failed=failed,
                 )
             except Unreachable as e:
-                self.core.mark_down(PLAIN, str(e))
+                self.state.mark_down(PLAIN, str(e))
             return self._no_backend(o)
 
         why = await self.checker.usable(PLAIN)
@@ -318,11 +315,11 @@ class AiohttpPath:
                 )
             except Unreachable as e:
                 why = str(e)
-                self.core.mark_down(PLAIN, why)
+                self.state.mark_down(PLAIN, why)
         if self.config.on_plain_down is OnPlainDown.ERROR:
             self.metrics.errors.inc("plain_down")
             o.note = "plain backend down"
-            b = self.core.backends[PLAIN]
+            b = self.state.backends[PLAIN]
             return error_response(
                 503,
                 f"this request asks for logprobs, which only the plain (non-speculating) backend "
@@ -344,7 +341,7 @@ class AiohttpPath:
                 failed=failed,
             )
         except Unreachable as e:
-            self.core.mark_down(SPEC, str(e))
+            self.state.mark_down(SPEC, str(e))
         return self._no_backend(o)
 
     # forwarding -----------------------------------------------------------------------------
@@ -397,7 +394,7 @@ class AiohttpPath:
                 raise Unreachable(f"answered HTTP 503 ({detail})")
             if resp.status == 200 and resp.content_type == "text/event-stream" and p is not None:
                 return await relay_stream(
-                    self.core, request, resp, p, role, o, out_headers, check, annotated
+                    self.state, request, resp, p, role, o, out_headers, check, annotated
                 )
             return await self._relay_body(resp, p, role, o, out_headers, check=check)
         except UpstreamFailed as e:
@@ -433,7 +430,9 @@ class AiohttpPath:
     ) -> web.Response:
         raw = await self.client.read_limited(resp, role, self.config.max_response_bytes)
         ctype = resp.headers.get("Content-Type", "application/json")
-        raw = self.core.body_answer(raw, resp.status, ctype, p, role, o, headers, check=check)
+        raw = self.state.checks.body_answer(
+            raw, resp.status, ctype, p, role, o, headers, check=check
+        )
         return web.Response(body=raw, status=resp.status, headers=headers)
 
     @staticmethod

@@ -19,8 +19,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from specaudit.proxy.answers import error_body
 from specaudit.proxy.redact import redact
-from specaudit.proxy.state import ClientGuard, Handover, error_body
+from specaudit.proxy.state import ClientGuard, Handover
 
 log = logging.getLogger("specaudit.proxy")
 
