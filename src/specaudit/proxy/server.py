@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -105,25 +106,13 @@ class AiohttpPath:
         resp: web.StreamResponse | None = None
         try:
             if self.state.draining:
-                self.metrics.errors.inc("shutdown")
-                o.note = "shutting down"
-                resp = error_response(503, "the proxy is shutting down; retry elsewhere or later")
+                resp = self._draining(o)
             else:
                 resp = await self._dispatch(request, o)
             o.status = o.status or resp.status
             return resp
         except RequestError as e:
-            kind = {
-                404: "not_found",
-                405: "bad_method",
-                408: "client_timeout",
-                413: "body_too_large",
-            }.get(e.status, "bad_request")
-            self.metrics.errors.inc(kind)
-            o.status, o.note = e.status, e.message
-            resp = error_response(e.status, e.message, param=e.param)
-            if e.status == 408:
-                resp.force_close()
+            resp = self._refused(e, o)
             return resp
         except Exception as e:
             # a defect in the proxy: a clean JSON error (never aiohttp's text 500), the
@@ -133,18 +122,11 @@ class AiohttpPath:
             o.status, o.note = 500, f"internal error: {type(e).__name__}"
             return error_response(500, f"the proxy failed on this request ({type(e).__name__})")
         except asyncio.CancelledError:
-            if o.shutdown and task is not None and task.cancelling() == 1:
-                # cancelled by `stop` after the grace period, before anything was sent
-                task.uncancel()
-                self.metrics.errors.inc("shutdown")
-                o.status, o.note = 503, "shutting down"
-                resp = error_response(503, self.state.shutdown_message())
-                return resp
-            self.state.accounting.disconnected(o)
-            raise
-        except ConnectionResetError:
-            self.state.accounting.disconnected(o)
-            raise
+            resp = self._stopped(task, o)
+            if resp is None:
+                self.state.accounting.disconnected(o)
+                raise
+            return resp
         finally:
             if self.state.draining and resp is not None:
                 resp.force_close()  # no further request on this connection
@@ -153,10 +135,36 @@ class AiohttpPath:
                 conn.body_done()
             self.state.accounting.account(request.method, o, t0)
 
-        # the client went away; leaving the handler closes the upstream request
-        self.metrics.errors.inc("client_disconnect")
-        o.status = o.status or 499
-        o.note = "client disconnected"
+    def _draining(self, o: RequestRecord) -> web.Response:
+        """A request that arrived while the proxy stops: 503 at once."""
+        self.metrics.errors.inc("shutdown")
+        o.note = "shutting down"
+        return error_response(503, "the proxy is shutting down; retry elsewhere or later")
+
+    def _refused(self, e: RequestError, o: RequestRecord) -> web.Response:
+        """What the client did wrong, answered with its 4xx (a 408 also closes)."""
+        kind = {
+            404: "not_found",
+            405: "bad_method",
+            408: "client_timeout",
+            413: "body_too_large",
+        }.get(e.status, "bad_request")
+        self.metrics.errors.inc(kind)
+        o.status, o.note = e.status, e.message
+        resp = error_response(e.status, e.message, param=e.param)
+        if e.status == 408:
+            resp.force_close()
+        return resp
+
+    def _stopped(self, task: asyncio.Task[Any] | None, o: RequestRecord) -> web.Response | None:
+        """The 503 for a request `stop` cancelled after the grace period, before anything was
+        sent; None when the cancellation is not `stop`'s (the client went away)."""
+        if not (o.shutdown and task is not None and task.cancelling() == 1):
+            return None
+        task.uncancel()
+        self.metrics.errors.inc("shutdown")
+        o.status, o.note = 503, "shutting down"
+        return error_response(503, self.state.shutdown_message())
 
     async def _dispatch(self, request: web.BaseRequest, o: RequestRecord) -> web.StreamResponse:
         path = request.path
@@ -361,19 +369,14 @@ class AiohttpPath:
     ) -> web.StreamResponse:
         if failed and role in failed:
             raise Unreachable(failed[role])  # it did not take this request a moment ago
-        headers = {"Content-Type": "application/json"} if p is not None else {}
-        auth = request.headers.get("Authorization")
-        if auth is not None:
-            headers["Authorization"] = auth  # only ever to a configured backend
-        # the upstream path is the routing table's own key, never text from the request
-        path = _CANONICAL[request.path]
         try:
             resp = await self.client.open(
                 role,
-                path,
+                # the upstream path is the routing table's own key, never text from the request
+                _CANONICAL[request.path],
                 method,
                 p.body if p else None,
-                headers,
+                _upstream_headers(request, p),
                 stream=p is not None and p.stream,
             )
         except UpstreamFailed as e:
@@ -381,13 +384,7 @@ class AiohttpPath:
             o.backend, o.note = role, e.kind
             return error_response(e.status, e.message, headers={H_BACKEND: role})
         o.backend = role
-        out_headers = {H_BACKEND: role}
-        if p is not None:
-            out_headers[H_ROUTE] = p.route.value
-        if annotated:
-            out_headers[H_ANNOTATED] = "true"
-        if fallback:
-            out_headers[H_FALLBACK] = fallback
+        out_headers = _answer_headers(role, p, annotated=annotated, fallback=fallback)
         try:
             if resp.status == 503:
                 detail = await self._error_message(resp, role)
@@ -440,3 +437,26 @@ class AiohttpPath:
         conn = conn_of(request)
         if conn is not None:
             conn.body_done()
+
+
+def _upstream_headers(request: web.BaseRequest, p: Plan | None) -> dict[str, str]:
+    """What a backend gets of the client's headers: the body's type, and its Authorization."""
+    headers = {"Content-Type": "application/json"} if p is not None else {}
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        headers["Authorization"] = auth  # only ever to a configured backend
+    return headers
+
+
+def _answer_headers(
+    role: str, p: Plan | None, *, annotated: bool, fallback: str | None
+) -> dict[str, str]:
+    """The proxy's own headers on an answer: who served it, on which route, in whose place."""
+    headers = {H_BACKEND: role}
+    if p is not None:
+        headers[H_ROUTE] = p.route.value
+    if annotated:
+        headers[H_ANNOTATED] = "true"
+    if fallback:
+        headers[H_FALLBACK] = fallback
+    return headers
