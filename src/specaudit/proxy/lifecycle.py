@@ -114,29 +114,11 @@ class Proxy(ProxyState):
         an SSE error event, a request not yet answered with a 503. Returns within about
         ``grace + 1.5`` seconds whatever the backends and clients do."""
         grace = self.config.shutdown_grace if grace is None else grace
-        if self._check_task is not None:
-            self._check_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._check_task
-            self._check_task = None
+        await self._stop_checks()
         if self._server is not None:
             self.draining = True
             self._server.close()  # no new connections
-            for front in list(self.fronts):
-                if front.busy is None:
-                    if front.got_bytes and front.buf:
-                        front.hand_over()  # a request begun: aiohttp's path answers it (503)
-                    elif front.transport is not None:
-                        front.transport.close()  # idle: close now
-            if self._web is not None:
-                for conn in self._web.connections:
-                    phase = conn.phase if isinstance(conn, RequestHandler) else IDLE
-                    if phase == HANDLING:
-                        conn.close()  # closed once its answer is out
-                    elif (
-                        phase != BODY
-                    ):  # BODY: the request's answer closes it (`AiohttpPath.handle`)
-                        conn.force_close()  # idle, or a request not yet begun: close now
+            self._close_idle()
             if self.inflight:
                 log.info(
                     "stopping: %d request(s) in flight, waiting up to %gs",
@@ -144,21 +126,49 @@ class Proxy(ProxyState):
                     grace,
                 )
             await self._drain(grace)
-            for task, o in list(self.inflight.items()):
-                self._abort(task, o)
-            if self.inflight:  # each ends at once: its error event or 503 is written
-                await asyncio.wait(set(self.inflight), timeout=ABORT_WAIT)
-            if self._web is not None:
-                # whatever is left (a client not reading its answer) is cut here
-                await self._web.shutdown(timeout=ABORT_WAIT / 2)
-            for front in list(self.fronts):
-                if front.transport is not None:
-                    front.transport.abort()
+            await self._end_the_rest()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), ABORT_WAIT)
             self._server = None
         await self.client.close()
         self.pool.close()
+
+    async def _stop_checks(self) -> None:
+        if self._check_task is not None:
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._check_task
+            self._check_task = None
+
+    def _close_idle(self) -> None:
+        """Close the connections with no request being answered; a request begun but not yet
+        answered gets its 503 from aiohttp's path."""
+        for front in list(self.fronts):
+            if front.busy is None:
+                if front.got_bytes and front.buf:
+                    front.hand_over()  # a request begun: aiohttp's path answers it (503)
+                elif front.transport is not None:
+                    front.transport.close()  # idle: close now
+        if self._web is not None:
+            for conn in self._web.connections:
+                phase = conn.phase if isinstance(conn, RequestHandler) else IDLE
+                if phase == HANDLING:
+                    conn.close()  # closed once its answer is out
+                elif phase != BODY:  # BODY: the request's answer closes it (`AiohttpPath.handle`)
+                    conn.force_close()  # idle, or a request not yet begun: close now
+
+    async def _end_the_rest(self) -> None:
+        """After the grace period: end each request still in flight, then cut whatever is
+        left (a client not reading its answer)."""
+        for task, o in list(self.inflight.items()):
+            self._abort(task, o)
+        if self.inflight:  # each ends at once: its error event or 503 is written
+            await asyncio.wait(set(self.inflight), timeout=ABORT_WAIT)
+        if self._web is not None:
+            await self._web.shutdown(timeout=ABORT_WAIT / 2)
+        for front in list(self.fronts):
+            if front.transport is not None:
+                front.transport.abort()
 
     async def _drain(self, grace: float) -> None:
         """Wait until no request is in flight, `grace` has passed, or `hurry` was called."""

@@ -158,53 +158,71 @@ def check_event(
     A token streamed with no probability entry is a placeholder: the entry is added with
     ``logprob: null`` so a client that asked for logprobs sees the gap instead of nothing.
     """
-    t = PlaceholderTally()
     if requested <= 0 or not isinstance(event, dict):
-        return t
+        return PlaceholderTally()
     if kind is Kind.COMPLETION:
-        probs = event.get("completion_probabilities")
-        if isinstance(probs, list) and probs:
-            return check_entries(probs, requested)
-        content = event.get("content")
-        ids = (
-            [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(i, bool)]
-            if isinstance(event.get("tokens"), list)
-            else []
-        )
-        text = content if isinstance(content, str) else ""
-        if ids:
-            event["completion_probabilities"] = [
-                _missing_entry(text if j == 0 else "", post_sampling, tid)
-                for j, tid in enumerate(ids)
-            ]
-            return PlaceholderTally(len(ids), len(ids))
-        if text:
-            event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
-            return PlaceholderTally(1, 1)
-        return t
+        return _check_native_event(event, requested, post_sampling)
+    t = PlaceholderTally()
     choices = event.get("choices")
     if not isinstance(choices, list):
         return t
     for ch in choices:
-        if not isinstance(ch, dict):
-            continue
-        sub = check_choice_logprobs(ch.get("logprobs"), requested)
-        if sub is not None:
-            t.add(sub)
-            continue
-        if kind is Kind.CHAT:
-            delta = ch.get("delta")
-            text = ""
-            if isinstance(delta, dict):
-                for key in ("content", "reasoning_content"):
-                    v = delta.get(key)
-                    if isinstance(v, str) and v:
-                        text = v
-                        break
-        else:
-            v = ch.get("text")
-            text = v if isinstance(v, str) else ""
-        if text:
-            ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
-            t.add(PlaceholderTally(1, 1))
+        if isinstance(ch, dict):
+            t.add(_check_streamed_choice(kind, ch, requested, post_sampling))
     return t
+
+
+def _check_native_event(
+    event: dict[str, Any], requested: int, post_sampling: bool
+) -> PlaceholderTally:
+    """A native ``/completion`` event: its ``completion_probabilities``, or the entries it
+    left out (one per token id it names, else one for its text)."""
+    probs = event.get("completion_probabilities")
+    if isinstance(probs, list) and probs:
+        return check_entries(probs, requested)
+    content = event.get("content")
+    ids = (
+        [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(i, bool)]
+        if isinstance(event.get("tokens"), list)
+        else []
+    )
+    text = content if isinstance(content, str) else ""
+    if ids:
+        event["completion_probabilities"] = [
+            _missing_entry(text if j == 0 else "", post_sampling, tid) for j, tid in enumerate(ids)
+        ]
+        return PlaceholderTally(len(ids), len(ids))
+    if text:
+        event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
+        return PlaceholderTally(1, 1)
+    return PlaceholderTally()
+
+
+def _check_streamed_choice(
+    kind: Kind, ch: dict[str, Any], requested: int, post_sampling: bool
+) -> PlaceholderTally:
+    """One choice of an OpenAI-style event: its ``logprobs`` checked, or the entry it left
+    out for the text it carries."""
+    sub = check_choice_logprobs(ch.get("logprobs"), requested)
+    if sub is not None:
+        return sub
+    text = _streamed_text(kind, ch)
+    if text:
+        ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
+        return PlaceholderTally(1, 1)
+    return PlaceholderTally()
+
+
+def _streamed_text(kind: Kind, ch: dict[str, Any]) -> str:
+    """The text a streamed choice carries: a chat delta's content (or reasoning), a
+    completion's text."""
+    if kind is not Kind.CHAT:
+        v = ch.get("text")
+        return v if isinstance(v, str) else ""
+    delta = ch.get("delta")
+    if isinstance(delta, dict):
+        for key in ("content", "reasoning_content"):
+            v = delta.get(key)
+            if isinstance(v, str) and v:
+                return v
+    return ""
