@@ -129,7 +129,7 @@ class ClientGuard:
 
 class ProxyState:
     """The state both transports share: backends' roles, requests in flight, the stop in
-    progress, and the pieces above (`accounting`, `checks`, `pool`). `lifecycle.Proxy` adds
+    progress, and the pieces it owns (`accounting`, `checks`, `pool`). `lifecycle.Proxy` adds
     start, stop and role checks."""
 
     def __init__(self, config: ProxyConfig) -> None:
