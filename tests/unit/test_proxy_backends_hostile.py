@@ -95,7 +95,7 @@ COMBOS = [Combo(t, s, r) for t in TRANSPORTS for s in (False, True) for r in ROU
 
 
 @dataclass
-class Outcome:
+class ProxiedRequest:
     """One request through one proxy, and what the backends and the core saw of it."""
 
     mode: str
@@ -114,9 +114,9 @@ class Rig:
     def __init__(self, backends: dict[str, Backend], proxies: dict[Combo, RunningProxy]) -> None:
         self.backends = backends
         self.proxies = proxies
-        self._done: dict[str, dict[Combo, Outcome]] = {}
+        self._done: dict[str, dict[Combo, ProxiedRequest]] = {}
 
-    def outcome(self, mode: str, combo: Combo) -> Outcome:
+    def outcome(self, mode: str, combo: Combo) -> ProxiedRequest:
         if mode not in self._done:
             for p in self.proxies.values():
                 p.check_backends()  # roles re-read: a backend the last mode broke is up again
@@ -125,7 +125,7 @@ class Rig:
                 self._done[mode] = {c: f.result() for c, f in futures.items()}
         return self._done[mode][combo]
 
-    def _one(self, mode: str, c: Combo) -> Outcome:
+    def _one(self, mode: str, c: Combo) -> ProxiedRequest:
         m = MODES[mode]
         ask = Ask(m.kind, c.stream, c.route == "logprobs", m.post)
         p = self.proxies[c]
@@ -137,7 +137,7 @@ class Rig:
             role: sum(1 for h in b.hits if h.mode == mode and h.tag == c.name)
             for role, b in self.backends.items()
         }
-        return Outcome(mode, c, ask, planned(mode, ask), reply, hits, core)
+        return ProxiedRequest(mode, c, ask, planned(mode, ask), reply, hits, core)
 
 
 @contextlib.contextmanager
@@ -291,7 +291,7 @@ def _code(body: bytes) -> Any:
     return json.loads(body)["error"].get("code")
 
 
-def verify(o: Outcome) -> None:
+def verify(o: ProxiedRequest) -> None:
     m, r, c, ask = MODES[o.mode], o.reply, o.combo, o.ask
     head = r.raw[:400]
     expect = m.stream if c.stream else m.json
@@ -396,7 +396,7 @@ def _is_terminator(kind: str, ev: bytes) -> bool:
     return ev == _DONE
 
 
-def _check_hits(o: Outcome, expect: str, served: bool) -> None:
+def _check_hits(o: ProxiedRequest, expect: str, served: bool) -> None:
     """Routing and generation counts as the backends saw them; the transport as the core's
     counter saw it."""
     c = o.combo
