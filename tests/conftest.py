@@ -74,3 +74,21 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     yield
     registry.reset()  # loaded again on the next read, without the package (sys.path restored)
     sys.modules.pop("toy_engine", None)
+
+
+# Seconds per test directory (setup, call and teardown of every test), printed at the end of a
+# run: the suite's time budget (README, benchmarks/bench_suite.py) is stated per directory.
+_SECONDS_PER_DIR: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    folder = report.nodeid.split("::", 1)[0].rsplit("/", 1)[0]
+    _SECONDS_PER_DIR[folder] = _SECONDS_PER_DIR.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _SECONDS_PER_DIR:
+        return
+    terminalreporter.section("seconds per directory")
+    for folder, seconds in sorted(_SECONDS_PER_DIR.items()):
+        terminalreporter.write_line(f"{folder:<24} {seconds:9.1f} s")

@@ -187,23 +187,29 @@ def from_response(endpoint: str, body: JSON, requested: int) -> list[TokenRecord
     return _legacy_completions(lp, requested)
 
 
+def _native_event(ev: JSON, requested: int, start: int) -> list[TokenRecord]:
+    """Token records of one native /completion stream chunk, numbered from `start`."""
+    entries = ev.get("completion_probabilities")
+    if isinstance(entries, list) and entries:
+        return from_entries(entries, requested, start=start)
+    if not (ev.get("content") or ev.get("tokens")):
+        return []
+    ids = [t for t in (ev.get("tokens") or []) if isinstance(t, int)]
+    if not ids:
+        return [_missing(start, str(ev.get("content", "")), None, requested)]
+    # one record per token id the chunk carried
+    piece = str(ev.get("content", ""))
+    return [
+        _missing(start + j, piece if j == 0 else "", tid, requested) for j, tid in enumerate(ids)
+    ]
+
+
 def from_stream(endpoint: str, events: Iterable[JSON], requested: int) -> list[TokenRecord]:
     """Token records of a streamed response; a token sent without probabilities is missing."""
     out: list[TokenRecord] = []
     for ev in events:
         if endpoint == "completion":
-            entries = ev.get("completion_probabilities")
-            if isinstance(entries, list) and entries:
-                out += from_entries(entries, requested, start=len(out))
-            elif ev.get("content") or ev.get("tokens"):
-                ids = [t for t in (ev.get("tokens") or []) if isinstance(t, int)]
-                if ids:
-                    # one record per token id the chunk carried
-                    piece = str(ev.get("content", ""))
-                    for j, tid in enumerate(ids):
-                        out.append(_missing(len(out), piece if j == 0 else "", tid, requested))
-                else:
-                    out.append(_missing(len(out), str(ev.get("content", "")), None, requested))
+            out += _native_event(ev, requested, start=len(out))
             continue
         choices = ev.get("choices") or []
         if not choices or not isinstance(choices[0], dict):

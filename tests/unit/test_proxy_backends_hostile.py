@@ -4,7 +4,7 @@ Every way of breaking HTTP on the wire in `hostile_backend.MODES` (bad chunk siz
 shorter or longer than the body, both framings, 1xx, garbage, a 5 MB event, one byte per write,
 silence, HTTP/1.0, header injection, placeholder variants, a reset mid-stream, ...), each for a
 streamed and a non-streamed request, with and without logprobs, through both transports: the
-forwarding core (`proxy.fast`) and aiohttp's path. For every combination:
+forwarding core (`proxy.forwarding`) and aiohttp's path. For every combination:
 
 - no truncated body is presented as complete: a 200 JSON body is exactly what the backend sent
   (placeholders nulled), anything else is an error status with a JSON error; a stream either
@@ -27,7 +27,7 @@ the request again (docs/proxy.md, "When a request is sent twice").
 
 How aiohttp's path is chosen: a proxy with `ProxyConfig.total_timeout` set (here 60 s, far
 above anything these backends do) hands every request to aiohttp's path
-(`core.Shared.direct_role`); each combination checks the core's own counter (`fast_path_total`)
+(`state.ProxyState.direct_role`); each combination checks the core's own counter (`fast_path_total`)
 to confirm which transport served it.
 
 Speed: eight proxies, one per (transport, stream, route), share two backends (plain and spec,
@@ -95,7 +95,7 @@ COMBOS = [Combo(t, s, r) for t in TRANSPORTS for s in (False, True) for r in ROU
 
 
 @dataclass
-class Outcome:
+class ProxiedRequest:
     """One request through one proxy, and what the backends and the core saw of it."""
 
     mode: str
@@ -114,9 +114,9 @@ class Rig:
     def __init__(self, backends: dict[str, Backend], proxies: dict[Combo, RunningProxy]) -> None:
         self.backends = backends
         self.proxies = proxies
-        self._done: dict[str, dict[Combo, Outcome]] = {}
+        self._done: dict[str, dict[Combo, ProxiedRequest]] = {}
 
-    def outcome(self, mode: str, combo: Combo) -> Outcome:
+    def outcome(self, mode: str, combo: Combo) -> ProxiedRequest:
         if mode not in self._done:
             for p in self.proxies.values():
                 p.check_backends()  # roles re-read: a backend the last mode broke is up again
@@ -125,7 +125,7 @@ class Rig:
                 self._done[mode] = {c: f.result() for c, f in futures.items()}
         return self._done[mode][combo]
 
-    def _one(self, mode: str, c: Combo) -> Outcome:
+    def _one(self, mode: str, c: Combo) -> ProxiedRequest:
         m = MODES[mode]
         ask = Ask(m.kind, c.stream, c.route == "logprobs", m.post)
         p = self.proxies[c]
@@ -137,7 +137,7 @@ class Rig:
             role: sum(1 for h in b.hits if h.mode == mode and h.tag == c.name)
             for role, b in self.backends.items()
         }
-        return Outcome(mode, c, ask, planned(mode, ask), reply, hits, core)
+        return ProxiedRequest(mode, c, ask, planned(mode, ask), reply, hits, core)
 
 
 @contextlib.contextmanager
@@ -291,7 +291,7 @@ def _code(body: bytes) -> Any:
     return json.loads(body)["error"].get("code")
 
 
-def verify(o: Outcome) -> None:
+def verify(o: ProxiedRequest) -> None:
     m, r, c, ask = MODES[o.mode], o.reply, o.combo, o.ask
     head = r.raw[:400]
     expect = m.stream if c.stream else m.json
@@ -396,7 +396,7 @@ def _is_terminator(kind: str, ev: bytes) -> bool:
     return ev == _DONE
 
 
-def _check_hits(o: Outcome, expect: str, served: bool) -> None:
+def _check_hits(o: ProxiedRequest, expect: str, served: bool) -> None:
     """Routing and generation counts as the backends saw them; the transport as the core's
     counter saw it."""
     c = o.combo

@@ -4,7 +4,7 @@ and does not read the answers.
 It used to start each next pipelined request as soon as the previous answer was written,
 whether or not the client was reading: 4 connections x 150 pipelined requests, never read,
 grew the proxy by about 70 MB. Now, while a client's transport is paused (its unread answers
-above the high-water mark), no next request starts, and at most `fast.PIPELINE_BUFFER` bytes
+above the high-water mark), no next request starts, and at most `forwarding.PIPELINE_BUFFER` bytes
 of pipelined requests (plus one read) are read ahead. What is asserted is the behaviour, not
 time: how many requests reached the backend, and how many bytes the proxy holds.
 """
@@ -19,7 +19,7 @@ import time
 from aiohttp import web
 
 import fakes
-from specaudit.proxy import ProxyConfig, RunningProxy, fast, serve_in_thread
+from specaudit.proxy import ProxyConfig, RunningProxy, forwarding, serve_in_thread
 
 N = 40  # pipelined requests on the connection
 ANSWER = 256 * 1024  # bytes of each answer: N of them are far more than any socket buffers
@@ -82,7 +82,7 @@ def test_a_client_that_does_not_read_stops_its_pipelined_requests() -> None:
             started = settled(hits)
             # a few answers fill the socket buffers and the transport's; then it waits
             assert started < N // 2, f"{started} of {N} requests started for a client not reading"
-            assert max(held_bytes(p)) <= fast.PIPELINE_BUFFER + READ
+            assert max(held_bytes(p)) <= forwarding.PIPELINE_BUFFER + READ
             # the client reads: every request is answered, in order
             buf = b""
             got = 0

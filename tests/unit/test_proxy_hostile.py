@@ -33,8 +33,8 @@ from aiohttp import web
 import fakes
 from specaudit.llama import free_port
 from specaudit.proxy import H_PLACEHOLDERS, ProxyConfig, RunningProxy, redact, serve_in_thread, sse
-from specaudit.proxy import shared as shared_mod
-from specaudit.proxy.placeholders import Tally, check_body, check_event
+from specaudit.proxy import answers as answers_mod
+from specaudit.proxy.placeholders import PlaceholderTally, check_body, check_event
 from specaudit.proxy.routing import Kind
 
 MIB = 1 << 20
@@ -187,13 +187,15 @@ def test_streamed_placeholders_with_lone_surrogates_are_nulled_and_the_stream_en
 def test_a_failing_check_ends_a_stream_with_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def broken(kind: Kind, event: Any, requested: int, post_sampling: bool = False) -> Tally:
+    def broken(
+        kind: Kind, event: Any, requested: int, post_sampling: bool = False
+    ) -> PlaceholderTally:
         calls.append(1)
         if len(calls) == 2:  # the first (real) event passes, the placeholder one fails
             raise RuntimeError("hostile")
         return check_event(kind, event, requested, post_sampling)
 
-    monkeypatch.setattr(shared_mod, "check_event", broken)
+    monkeypatch.setattr(answers_mod, "check_event", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json={**REQ, "stream": True})
         objs = sse_objects(r.content)  # complete events, not a torn connection
@@ -207,7 +209,7 @@ def test_a_failing_check_of_a_body_is_a_clean_json_error(monkeypatch: pytest.Mon
     def broken(*a: object, **k: object) -> object:
         raise RuntimeError("hostile")
 
-    monkeypatch.setattr(shared_mod, "check_body", broken)
+    monkeypatch.setattr(answers_mod, "check_body", broken)
     with proxy_for(Hostile()) as p:
         r = httpx.post(p.url + "/v1/completions", json=REQ)
         assert r.status_code == 500

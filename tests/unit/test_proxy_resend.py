@@ -9,7 +9,7 @@ were written is answered by the transport that wrote them (the backend's own err
 502/504) and the request goes nowhere else.
 
 Which transport serves: a proxy with ``total_timeout`` set hands every request to aiohttp's
-path (`core.Shared.direct_role`); the core's counter (``fast_path_total``) confirms it.
+path (`state.ProxyState.direct_role`); the core's counter (``fast_path_total``) confirms it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ whitespace; control and non-ASCII bytes; chunk extensions; huge heads; missing o
 Host; a blank line first), and cuts it at random points (TCP splits). The pieces go, in order,
 to three readers:
 
-- the core: `http1.RequestReader.message`, driven as `fast.Front` drives it. Each request it
+- the core: `http1.RequestReader.message`, driven as `forwarding.Front` drives it. Each request it
   takes is (path, body, where it starts, its length); at the first one it does not take, it
   hands the connection over with every byte from that request's first one;
 - aiohttp's request parser (llhttp with aiohttp's own checks: the parser of aiohttp's path,
@@ -60,7 +60,7 @@ from aiohttp.http_parser import HttpRequestParser
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from specaudit.proxy import fast, http1, wire
+from specaudit.proxy import forwarding, http1, wire
 
 EXAMPLES = 200  # per property in the suite
 MAX_BODY = 4 << 20
@@ -73,7 +73,7 @@ CI = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-PATHS = sorted(p.decode() for p in fast.PATHS)
+PATHS = sorted(p.decode() for p in forwarding.PATHS)
 RIGHT = 30  # weight of the right value against each hostile one: most inputs are mostly right
 
 
@@ -214,7 +214,7 @@ def core_reads(pieces: list[bytes]) -> tuple[list[Taken], str]:
             if reader is None:
                 reader = http1.RequestReader()
             try:
-                got = reader.message(buf, fast.PATHS, MAX_BODY)
+                got = reader.message(buf, forwarding.PATHS, MAX_BODY)
             except http1.NotPlain:
                 return taken, "handed over"
             if got is None:

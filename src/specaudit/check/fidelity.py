@@ -308,15 +308,26 @@ def _compare(
     for t, v in cands:
         check("candidate", t, v)
 
-    # the top set: a token among the reference's top `requested` that the engine left out must
-    # rank no higher than the engine's smallest reported candidate; if fewer candidates came
-    # back than were asked for, the whole post-sampling support must be there
-    if record.requested <= 0:
-        return out
+    if record.requested > 0:
+        out += _absent(record.requested, cands, ranked, mode, tol)
+    return out
+
+
+def _absent(
+    requested: int,
+    cands: list[tuple[int, float | None]],
+    ranked: list[tuple[int, float]],
+    mode: Mode,
+    tol: Tolerance,
+) -> list[Deviation]:
+    """The top set: a token among the reference's top `requested` that the engine left out must
+    rank no higher than the engine's smallest reported candidate; if fewer candidates came
+    back than were asked for, the whole post-sampling support must be there."""
+    out: list[Deviation] = []
     got_ids = {t for t, _ in cands}
     shown = [v for _, v in cands if v is not None]
-    full = len(cands) >= record.requested
-    for t, v in ranked[: record.requested]:
+    full = len(cands) >= requested
+    for t, v in ranked[:requested]:
         if t in got_ids or (mode == "post" and v <= 0.0):
             continue
         if full and shown:

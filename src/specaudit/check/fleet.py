@@ -118,36 +118,33 @@ def read_litellm_config(path: Path) -> list[Deployment]:
     models = doc.get("model_list") if isinstance(doc, dict) else None
     if not isinstance(models, list) or not models:
         raise probes.CheckError(f"{path} has no model_list: not a LiteLLM proxy config")
-    out: list[Deployment] = []
-    for i, entry in enumerate(models):
-        where = f"{path}: model_list[{i}]"
-        if not isinstance(entry, dict):
-            raise probes.CheckError(f"{where} is not a mapping")
-        name = entry.get("model_name")
-        params = entry.get("litellm_params")
-        if not isinstance(name, str) or not isinstance(params, dict):
-            raise probes.CheckError(f"{where} needs model_name and litellm_params")
-        if params.get("api_base") is None:
-            out.append(Deployment(name, None, skip_reason="no api_base: not a self-hosted server"))
-            continue
-        try:
-            model = _resolve(params.get("model"), f"{where}.litellm_params.model")
-            api_base = _resolve(params.get("api_base"), f"{where}.litellm_params.api_base")
-            api_key = _resolve(params.get("api_key"), f"{where}.litellm_params.api_key")
-        except probes.CheckError as e:  # e.g. an os.environ/NAME that is unset here
-            out.append(Deployment(name, None, error=str(e)))
-            continue
-        short = model.split("/", 1)[1] if model and "/" in model else model
-        if not api_base:
-            out.append(Deployment(name, None, error=f"{where}.litellm_params.api_base is empty"))
-            continue
-        url = validate.url(
-            server_root(api_base), f"{where}.litellm_params.api_base", probes.CheckError
-        )
-        if api_key is not None:
-            validate.token(api_key, f"{where}.litellm_params.api_key", probes.CheckError)
-        out.append(Deployment(name, url, api_key, short))
-    return out
+    return [_deployment(entry, f"{path}: model_list[{i}]") for i, entry in enumerate(models)]
+
+
+def _deployment(entry: object, where: str) -> Deployment:
+    """One ``model_list`` entry. A malformed entry stops the whole read (`CheckError`); one
+    that only cannot be reached from here becomes a skipped or failed deployment."""
+    if not isinstance(entry, dict):
+        raise probes.CheckError(f"{where} is not a mapping")
+    name = entry.get("model_name")
+    params = entry.get("litellm_params")
+    if not isinstance(name, str) or not isinstance(params, dict):
+        raise probes.CheckError(f"{where} needs model_name and litellm_params")
+    if params.get("api_base") is None:
+        return Deployment(name, None, skip_reason="no api_base: not a self-hosted server")
+    try:
+        model = _resolve(params.get("model"), f"{where}.litellm_params.model")
+        api_base = _resolve(params.get("api_base"), f"{where}.litellm_params.api_base")
+        api_key = _resolve(params.get("api_key"), f"{where}.litellm_params.api_key")
+    except probes.CheckError as e:  # e.g. an os.environ/NAME that is unset here
+        return Deployment(name, None, error=str(e))
+    short = model.split("/", 1)[1] if model and "/" in model else model
+    if not api_base:
+        return Deployment(name, None, error=f"{where}.litellm_params.api_base is empty")
+    url = validate.url(server_root(api_base), f"{where}.litellm_params.api_base", probes.CheckError)
+    if api_key is not None:
+        validate.token(api_key, f"{where}.litellm_params.api_key", probes.CheckError)
+    return Deployment(name, url, api_key, short)
 
 
 # ---------------------------------------------------------------------------------------------

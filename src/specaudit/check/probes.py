@@ -480,6 +480,37 @@ def run(
     checked first (one-line `CheckError`, nothing sent).
     """
     _check_inputs(url, endpoint, prompt, seed, temperature, model, timeout, api_key)
+    _check_run_inputs(reference, top_k, tokens)
+    modes = (False, True) if stream is None else (stream,)
+    kinds = ENDPOINT_GROUPS[endpoint]
+    s = CheckSettings(top_k, tokens, prompt, seed, temperature, kinds, modes, model)
+    with Client(url, timeout=timeout, api_key=api_key) as client:
+        spec = read_speculation(client)
+        results = _probe_all(client, s)
+        decided = [r for r in results if r.decided]
+        _merge_request_speculation(spec, results)
+        _summarise(spec)
+        if not decided:
+            raise _no_decision(url, results)
+        switch = None
+        if probe_switch and spec.state == "yes":
+            switch = switch_probe(client, s, results)
+    n_ph = sum(r.placeholder for r in decided)
+    verdict, outcome, reason = _verdict(decided, results, n_ph)
+    fid = None
+    if reference is not None:
+        from specaudit.check import with_reference
+
+        fid = with_reference.run(
+            url, reference, prompt=prompt, seed=seed, tokens=tokens, top_k=top_k,
+            temperature=temperature, timeout=timeout, api_key=api_key,
+        )  # fmt: skip
+        verdict, outcome, reason = _with_fidelity(fid, n_ph, verdict, outcome, reason)
+    return CheckResult(url, s, spec, results, switch, verdict, outcome, reason, fid)
+
+
+def _check_run_inputs(reference: str | None, top_k: int, tokens: int) -> None:
+    """`run`'s own arguments, after those shared with the other entry points."""
     if reference is not None:
         validate.url(reference, "--reference", CheckError)
     if top_k < 1:
@@ -488,31 +519,33 @@ def run(
         raise CheckError("--tokens must be at least 2: the first token is never speculative")
     validate.integer(top_k, "--top-k", max=validate.MAX_INT32, error=CheckError)
     validate.integer(tokens, "--tokens", max=validate.MAX_INT32, error=CheckError)
-    modes = (False, True) if stream is None else (stream,)
-    kinds = ENDPOINT_GROUPS[endpoint]
-    s = CheckSettings(top_k, tokens, prompt, seed, temperature, kinds, modes, model)
-    with Client(url, timeout=timeout, api_key=api_key) as client:
-        spec = read_speculation(client)
-        results: list[EndpointResult] = []
-        for kind in s.kinds:
-            for mode in s.modes:
-                r = probe(client, kind, mode, s)
-                results.append(r)
-                if r.status == "absent":
-                    break  # the streamed twin of an absent endpoint is absent too
-        decided = [r for r in results if r.decided]
-        drafts = [r.draft_n for r in results if r.draft_n is not None]
-        if drafts:
-            spec.draft_n = sum(drafts)
-            spec.draft_n_accepted = sum(r.draft_n_accepted or 0 for r in results)
-        spec.request_types = next((r.spec_types for r in results if r.spec_types), None)
-        _summarise(spec)
-        if not decided:
-            raise _no_decision(url, results)
-        switch = None
-        if probe_switch and spec.state == "yes":
-            switch = switch_probe(client, s, results)
-    n_ph = sum(r.placeholder for r in decided)
+
+
+def _probe_all(client: Client, s: CheckSettings) -> list[EndpointResult]:
+    """One probe per (kind, mode), in order; an absent endpoint is not probed again streamed."""
+    results: list[EndpointResult] = []
+    for kind in s.kinds:
+        for mode in s.modes:
+            r = probe(client, kind, mode, s)
+            results.append(r)
+            if r.status == "absent":
+                break  # the streamed twin of an absent endpoint is absent too
+    return results
+
+
+def _merge_request_speculation(spec: Speculation, results: Sequence[EndpointResult]) -> None:
+    """What the responses themselves said about drafting overrides the server-wide view."""
+    drafts = [r.draft_n for r in results if r.draft_n is not None]
+    if drafts:
+        spec.draft_n = sum(drafts)
+        spec.draft_n_accepted = sum(r.draft_n_accepted or 0 for r in results)
+    spec.request_types = next((r.spec_types for r in results if r.spec_types), None)
+
+
+def _verdict(
+    decided: Sequence[EndpointResult], results: Sequence[EndpointResult], n_ph: int
+) -> tuple[str, Outcome, str]:
+    """The verdict, outcome and one-line reason from the placeholder counts alone."""
     n_real = sum(r.real for r in decided)
     if n_ph:
         where = ", ".join(f"{r.label} {r.placeholder}/{r.total}" for r in decided if r.placeholder)
@@ -527,26 +560,25 @@ def run(
     failed = [f"{r.label} ({r.status})" for r in results if r.status not in ("ok", "absent")]
     if failed:
         reason += "; no decision on: " + ", ".join(failed)
-    fid = None
-    if reference is not None:
-        from specaudit.check import with_reference
+    return verdict, outcome, reason
 
-        fid = with_reference.run(
-            url, reference, prompt=prompt, seed=seed, tokens=tokens, top_k=top_k,
-            temperature=temperature, timeout=timeout, api_key=api_key,
-        )  # fmt: skip
-        c = fid.counts
-        line = (
-            f"against the reference: {c.real_correct} real and correct, {c.real_wrong} real but "
-            f"wrong, {c.placeholder} placeholders, {c.missing} missing"
-        )
-        if c.real_wrong:
-            outcome = Outcome.FINDING
-            verdict = "placeholders" if n_ph else "real but wrong"
-            reason = f"{c.real_wrong} real but wrong logprobs ({line}); {reason}"
-        else:
-            reason += f"; {line}"
-    return CheckResult(url, s, spec, results, switch, verdict, outcome, reason, fid)
+
+def _with_fidelity(
+    fid: FidelitySummary, n_ph: int, verdict: str, outcome: Outcome, reason: str
+) -> tuple[str, Outcome, str]:
+    """The verdict once the reference has spoken: real but wrong logprobs are a finding too."""
+    c = fid.counts
+    line = (
+        f"against the reference: {c.real_correct} real and correct, {c.real_wrong} real but "
+        f"wrong, {c.placeholder} placeholders, {c.missing} missing"
+    )
+    if c.real_wrong:
+        outcome = Outcome.FINDING
+        verdict = "placeholders" if n_ph else "real but wrong"
+        reason = f"{c.real_wrong} real but wrong logprobs ({line}); {reason}"
+    else:
+        reason += f"; {line}"
+    return verdict, outcome, reason
 
 
 __all__ = [

@@ -224,21 +224,10 @@ def to_json(result: CheckResult) -> dict[str, object]:
 def render(result: CheckResult, tokens_tables: bool = True) -> None:
     from rich.table import Table
 
-    from specaudit.check import PROBE_LABELS
-    from specaudit.check.rows import endpoint_rows, token_rows
+    from specaudit.check.rows import endpoint_rows
 
     if tokens_tables:
-        for r in result.endpoints:
-            if not r.tokens:
-                continue
-            mode = "streamed" if r.stream else "non-streamed"
-            t = Table(title=f"{PROBE_LABELS[r.kind]}, {mode}", title_justify="left")
-            for h in ("#", "token", "logprob", "candidates", "class"):
-                t.add_column(h, justify="right" if h in ("#", "candidates") else "left")
-            for row in token_rows(r):
-                style = "red" if row[4] == "placeholder" else None
-                t.add_row(*(str(v) for v in row), style=style)
-            out.print(t)
+        _render_token_tables(result)
     t = Table(title=f"check {result.url}", title_justify="left")
     for h in ("endpoint", "stream", "tokens", "real", "placeholder", "draft_n", "verdict"):
         t.add_column(h)
@@ -258,6 +247,35 @@ def render(result: CheckResult, tokens_tables: bool = True) -> None:
     out.print(f"speculation: {sp.summary}", highlight=False)
     if result.switch is not None:
         out.print(f"per-request switch: {result.switch.detail}", highlight=False)
+    _render_untracked_notes(result)
+    if result.fidelity is not None:
+        _render_fidelity(result)
+    colour = "red" if result.exit_code else "green"
+    out.print(f"[bold {colour}]verdict: {result.verdict}[/] - {result.reason}", highlight=False)
+
+
+def _render_token_tables(result: CheckResult) -> None:
+    """One table of token records per probe that returned any."""
+    from rich.table import Table
+
+    from specaudit.check import PROBE_LABELS
+    from specaudit.check.rows import token_rows
+
+    for r in result.endpoints:
+        if not r.tokens:
+            continue
+        mode = "streamed" if r.stream else "non-streamed"
+        t = Table(title=f"{PROBE_LABELS[r.kind]}, {mode}", title_justify="left")
+        for h in ("#", "token", "logprob", "candidates", "class"):
+            t.add_column(h, justify="right" if h in ("#", "candidates") else "left")
+        for row in token_rows(r):
+            style = "red" if row[4] == "placeholder" else None
+            t.add_row(*(str(v) for v in row), style=style)
+        out.print(t)
+
+
+def _render_untracked_notes(result: CheckResult) -> None:
+    """A note per probe whose server generated more tokens than came with a token record."""
     for r in result.endpoints:
         if r.decided and r.server_tokens is not None and r.server_tokens > r.total:
             out.print(
@@ -265,10 +283,6 @@ def render(result: CheckResult, tokens_tables: bool = True) -> None:
                 f"{r.total} carried a token record",
                 highlight=False,
             )
-    if result.fidelity is not None:
-        _render_fidelity(result)
-    colour = "red" if result.exit_code else "green"
-    out.print(f"[bold {colour}]verdict: {result.verdict}[/] - {result.reason}", highlight=False)
 
 
 def _render_fidelity(result: CheckResult) -> None:

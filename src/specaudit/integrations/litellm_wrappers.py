@@ -86,9 +86,29 @@ def install(active: Callable[[], Handler | None]) -> None:
     from litellm import Router
     from litellm.litellm_core_utils.streaming_handler import CustomStreamWrapper
 
-    init, select = Router.__init__, Router.get_available_deployment
-    completion, text_completion = Router.completion, Router.text_completion
+    Router.__init__ = _wrap_init(Router.__init__)  # type: ignore[method-assign]
+    Router.get_available_deployment = _wrap_select(  # type: ignore[method-assign]
+        Router.get_available_deployment
+    )
+    Router.completion = _wrap_completion(Router.completion)  # type: ignore[method-assign]
+    Router.text_completion = _wrap_text_completion(  # type: ignore[method-assign]
+        Router.text_completion
+    )
     anext_, next_ = CustomStreamWrapper.__anext__, CustomStreamWrapper.__next__
+
+    async def __anext__(self: Any) -> Any:
+        return check_streamed(self, await anext_(self))
+
+    def __next__(self: Any) -> Any:
+        return check_streamed(self, next_(self))
+
+    CustomStreamWrapper.__anext__ = __anext__  # type: ignore[method-assign]
+    CustomStreamWrapper.__next__ = __next__  # type: ignore[method-assign]
+    _INSTALLED = True
+
+
+def _wrap_init(init: Any) -> Any:
+    """``Router.__init__``, then every deployment's role read at once, in the background."""
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -96,6 +116,13 @@ def install(active: Callable[[], Handler | None]) -> None:
         h = _ACTIVE()
         if h is not None:  # start: every deployment's /slots, now, in the background
             h.watch(getattr(self, "model_list", None) or [])
+
+    return __init__
+
+
+def _wrap_select(select: Any) -> Any:
+    """``Router.get_available_deployment`` (the sync selection) without the deployments the
+    callback excludes for this request."""
 
     @functools.wraps(select)
     def get_available_deployment(
@@ -108,69 +135,75 @@ def install(active: Callable[[], Handler | None]) -> None:
     ) -> Any:
         h = _ACTIVE()
         if h is not None and not specific_deployment and input is None:
-            request = SYNC_TEXT.get()
-            if request is None:
-                request = dict(request_kwargs or {})
-                if messages is not None:
-                    request.setdefault("messages", messages)
-            excluded = h.excluded_sync(self, model, messages, request_kwargs, request)
-            if excluded:
-                request_kwargs = request_kwargs if request_kwargs is not None else {}
-                before = list(request_kwargs.get("_excluded_deployment_ids") or [])
-                request_kwargs["_excluded_deployment_ids"] = before + excluded
+            request_kwargs = _exclude(h, self, model, messages, request_kwargs)
         return select(self, model, messages, input, specific_deployment, request_kwargs)
 
-    def sync_call(router: Any, call: Any, request: dict[str, Any], text: bool) -> Any:
-        h = _ACTIVE()
-        if h is None:
-            return call()
-        # a role not read yet (a Router built before the handler was registered, or its
-        # start-up check still running) is read first: this call waits anyway
-        h.wait(h.watch(getattr(router, "model_list", None) or []))
-        sync = SYNC_CALL.set(True)
-        # LiteLLM hands the sync text selection the messages it made of the prompt, not the
-        # request: the selection reads the request from here
-        req = SYNC_TEXT.set(request) if text else None
-        try:
-            response = call()
-        finally:
-            if req is not None:
-                SYNC_TEXT.reset(req)
-            SYNC_CALL.reset(sync)
-        h.check_result(request, response)
-        return response
+    return get_available_deployment
 
+
+def _exclude(
+    h: Handler, router: Any, model: str, messages: list | None, request_kwargs: dict | None
+) -> dict | None:
+    """`request_kwargs` with the deployments `h` excludes added to LiteLLM's own list."""
+    request = SYNC_TEXT.get()
+    if request is None:
+        request = dict(request_kwargs or {})
+        if messages is not None:
+            request.setdefault("messages", messages)
+    excluded = h.excluded_sync(router, model, messages, request_kwargs, request)
+    if excluded:
+        request_kwargs = request_kwargs if request_kwargs is not None else {}
+        before = list(request_kwargs.get("_excluded_deployment_ids") or [])
+        request_kwargs["_excluded_deployment_ids"] = before + excluded
+    return request_kwargs
+
+
+def _sync_call(router: Any, call: Any, request: dict[str, Any], text: bool) -> Any:
+    """A sync ``Router`` call, its roles read first and its result checked."""
+    h = _ACTIVE()
+    if h is None:
+        return call()
+    # a role not read yet (a Router built before the handler was registered, or its
+    # start-up check still running) is read first: this call waits anyway
+    h.wait(h.watch(getattr(router, "model_list", None) or []))
+    sync = SYNC_CALL.set(True)
+    # LiteLLM hands the sync text selection the messages it made of the prompt, not the
+    # request: the selection reads the request from here
+    req = SYNC_TEXT.set(request) if text else None
+    try:
+        response = call()
+    finally:
+        if req is not None:
+            SYNC_TEXT.reset(req)
+        SYNC_CALL.reset(sync)
+    h.check_result(request, response)
+    return response
+
+
+def _wrap_completion(completion: Any) -> Any:
     @functools.wraps(completion)
     def sync_completion(self: Any, model: str, messages: list, **kwargs: Any) -> Any:
-        return sync_call(
+        return _sync_call(
             self,
             lambda: completion(self, model, messages, **kwargs),
             {**kwargs, "messages": messages},
             text=False,
         )
 
+    return sync_completion
+
+
+def _wrap_text_completion(text_completion: Any) -> Any:
     @functools.wraps(text_completion)
     def sync_text_completion(self: Any, model: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
-        return sync_call(
+        return _sync_call(
             self,
             lambda: text_completion(self, model, prompt, *args, **kwargs),
             {**kwargs, "prompt": prompt},
             text=True,
         )
 
-    async def __anext__(self: Any) -> Any:
-        return check_streamed(self, await anext_(self))
-
-    def __next__(self: Any) -> Any:
-        return check_streamed(self, next_(self))
-
-    Router.__init__ = __init__  # type: ignore[method-assign]
-    Router.get_available_deployment = get_available_deployment  # type: ignore[method-assign]
-    Router.completion = sync_completion  # type: ignore[method-assign]
-    Router.text_completion = sync_text_completion  # type: ignore[method-assign]
-    CustomStreamWrapper.__anext__ = __anext__  # type: ignore[method-assign]
-    CustomStreamWrapper.__next__ = __next__  # type: ignore[method-assign]
-    _INSTALLED = True
+    return sync_text_completion
 
 
 def check_streamed(stream: Any, chunk: Any) -> Any:

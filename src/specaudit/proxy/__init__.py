@@ -25,19 +25,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specaudit.proxy.backends import BackendStatus, State
-    from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError, parse_listen
-    from specaudit.proxy.lifecycle import Proxy
-    from specaudit.proxy.routing import Kind, Plan, RequestError, Route
-    from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
-    from specaudit.proxy.shared import (
+    from specaudit.proxy.accounting import ProxyStats
+    from specaudit.proxy.answers import (
         H_ANNOTATED,
         H_BACKEND,
         H_FALLBACK,
         H_PLACEHOLDERS,
         H_ROUTE,
-        ProxyStats,
     )
+    from specaudit.proxy.backends import BackendStatus, State
+    from specaudit.proxy.config import OnPlainDown, ProxyConfig, ProxyError, parse_listen
+    from specaudit.proxy.lifecycle import Proxy
+    from specaudit.proxy.routing import Kind, Plan, RequestError, Route
+    from specaudit.proxy.runner import RunningProxy, run, serve_in_thread
 
 _HOMES = {
     "BackendStatus": "backends",
@@ -46,12 +46,12 @@ _HOMES = {
     "ProxyConfig": "config",
     "ProxyError": "config",
     "parse_listen": "config",
-    "H_ANNOTATED": "shared",
-    "H_BACKEND": "shared",
-    "H_FALLBACK": "shared",
-    "H_PLACEHOLDERS": "shared",
-    "H_ROUTE": "shared",
-    "ProxyStats": "shared",
+    "H_ANNOTATED": "answers",
+    "H_BACKEND": "answers",
+    "H_FALLBACK": "answers",
+    "H_PLACEHOLDERS": "answers",
+    "H_ROUTE": "answers",
+    "ProxyStats": "accounting",
     "Kind": "routing",
     "Plan": "routing",
     "RequestError": "routing",

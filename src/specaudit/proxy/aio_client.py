@@ -24,20 +24,21 @@ import aiohttp
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 
-from specaudit.proxy.backends import describe_error
-from specaudit.proxy.shared import PLAIN, SPEC, Shared, Unreachable, UpstreamFailed
+from specaudit.proxy.answers import UpstreamFailed
+from specaudit.proxy.backends import PLAIN, SPEC, describe_error
+from specaudit.proxy.state import ProxyState, Unreachable
 
 log = logging.getLogger("specaudit.proxy")
 
 
-class Client:
+class BackendClient:
     """One pooled session per backend for non-streamed requests, one that closes each
     connection after use for streams (llama-server closes a streamed connection although it
     advertised keep-alive), one for role checks."""
 
-    def __init__(self, core: Shared) -> None:
-        self.core = core
-        config = core.config
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        config = state.config
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.stream_sessions: dict[str, aiohttp.ClientSession] = {}
         self.probe_session: aiohttp.ClientSession | None = None
@@ -49,7 +50,7 @@ class Client:
         )
 
     def open_sessions(self) -> None:
-        limit = self.core.config.max_connections
+        limit = self.state.config.max_connections
         for role in (PLAIN, SPEC):
             self.sessions[role] = new_session(limit)
             # streams get a fresh connection each, closed afterwards: llama-server closes it
@@ -80,9 +81,9 @@ class Client:
     ) -> aiohttp.ClientResponse:
         """The backend's response, its head read. `Unreachable`: nothing was written;
         `UpstreamFailed`: it was, and the answer is unusable (never re-sent)."""
-        core = self.core
+        state = self.state
         session = (self.stream_sessions if stream else self.sessions)[role]
-        url = core.backends[role].url + path
+        url = state.backends[role].url + path
         for attempt in range(2):
             conn = _Conn()
             try:
@@ -99,13 +100,13 @@ class Client:
                 raise Unreachable(describe_error(e)) from None
             except aiohttp.ConnectionTimeoutError:
                 raise Unreachable(
-                    f"connect timed out after {core.config.connect_timeout:g}s"
+                    f"connect timed out after {state.config.connect_timeout:g}s"
                 ) from None
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 raise UpstreamFailed(
                     504,
                     "upstream_timeout",
-                    f"the {role} backend sent nothing for {core.config.read_timeout:g}s",
+                    f"the {role} backend sent nothing for {state.config.read_timeout:g}s",
                 ) from None
             except (
                 aiohttp.ServerDisconnectedError,
@@ -114,10 +115,10 @@ class Client:
             ) as e:
                 why = describe_error(e)
                 if attempt == 0 and conn.reused:
-                    core.metrics.retries.inc(role)
+                    state.metrics.retries.inc(role)
                     log.debug("%s backend dropped a connection (%s); re-sending once", role, why)
                     continue
-                core.mark_down(role, why)
+                state.mark_down(role, why)
                 raise UpstreamFailed(
                     502,
                     "upstream_closed",
@@ -153,7 +154,7 @@ class Client:
             raise UpstreamFailed(
                 504,
                 "upstream_timeout",
-                f"the {role} backend went silent for {self.core.config.read_timeout:g}s "
+                f"the {role} backend went silent for {self.state.config.read_timeout:g}s "
                 "mid-response",
             ) from None
         except BrokenFraming as e:
@@ -166,7 +167,7 @@ class Client:
             aiohttp.ClientOSError,
         ) as e:
             why = describe_error(e)
-            self.core.mark_down(role, why)
+            self.state.mark_down(role, why)
             raise UpstreamFailed(
                 502, "upstream_closed", f"the {role} backend {why} before the response was complete"
             ) from None

@@ -21,6 +21,8 @@ import aiohttp
 
 from specaudit import speculation
 
+PLAIN, SPEC = "plain", "spec"  # the two backends' roles: the non-speculating one, the fast one
+
 
 class State(StrEnum):
     UNKNOWN = "unknown"  # not checked yet

@@ -6,7 +6,8 @@
 The re-send rule (docs/proxy.md, "When a request is sent twice") lives here for the core:
 
 - the connection was refused or timed out: nothing was written, so the request goes, with
-  its plan, to aiohttp's path, which marks the backend down and falls back (`Client.give_back`);
+  its plan, to aiohttp's path, which marks the backend down and falls back
+  (`ClientConnection.give_back`);
 - the backend closed a reused kept-alive connection without a byte of answer: re-sent once on
   a fresh connection (llama-server closes idle kept-alive connections; a backend that died
   refuses the fresh one, so nothing is generated twice);
@@ -15,7 +16,7 @@ The re-send rule (docs/proxy.md, "When a request is sent twice") lives here for 
 - anything else once the request was written (another status, a body that is not JSON, too
   large, garbage, silence, a connection closed mid-answer): answered here, never re-sent: the
   backend's own status and JSON error body, a 502/504 JSON error, or, once a stream began, an
-  SSE error event (all built by the shared layer, `shared`).
+  SSE error event (all built by the shared layer, `answers`).
 """
 
 from __future__ import annotations
@@ -27,26 +28,20 @@ import time
 from typing import Protocol, cast
 
 from specaudit.proxy import sse, wire
+from specaudit.proxy.accounting import RequestRecord
+from specaudit.proxy.answers import H_BACKEND, H_ROUTE, StreamState, UpstreamFailed, error_body
 from specaudit.proxy.http1 import RequestHead, ResponseHead, ResponseReader
+from specaudit.proxy.pool import Target
 from specaudit.proxy.routing import Plan, Route
-from specaudit.proxy.shared import (
-    H_BACKEND,
-    H_ROUTE,
-    Outcome,
-    Shared,
-    StreamState,
-    Target,
-    UpstreamFailed,
-    error_body,
-)
+from specaudit.proxy.state import ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
 
-class Client(Protocol):
-    """The client connection an exchange answers on (`fast.Front`)."""
+class ClientConnection(Protocol):
+    """The client connection an exchange answers on (`forwarding.Front`)."""
 
-    px: Shared
+    px: ProxyState
 
     def write(self, data: bytes) -> None: ...
 
@@ -136,7 +131,7 @@ class Exchange:
     connection); `Proxy.stop` waits for its future and ends it through
     ``outcome.stop_stream``."""
 
-    def __init__(self, front: Client, head: RequestHead, p: Plan, role: str, raw: bytes):
+    def __init__(self, front: ClientConnection, head: RequestHead, p: Plan, role: str, raw: bytes):
         self.front, self.head, self.p, self.role, self.raw = front, head, p, role, raw
         self.px = px = front.px
         self.loop = loop = asyncio.get_running_loop()
@@ -154,18 +149,18 @@ class Exchange:
         self.stream: Relay | None = None
         self.finished = False
         self._timer: asyncio.TimerHandle | None = None
-        self.outcome = o = Outcome(endpoint=head.path, route=p.route.value, backend=role)
+        self.outcome = o = RequestRecord(endpoint=head.path, route=p.route.value, backend=role)
         o.stop_stream = self.shut_down
         self.done: asyncio.Future[None] = loop.create_future()
         px.inflight[self.done] = o
         self.done.add_done_callback(px.request_done)
-        px.busy[role] += 1
+        px.pool.busy[role] += 1
         px.metrics.in_flight.inc()
 
     # sending --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        up = None if self.p.stream or self.attempt else self.px.pool_get(self.role)
+        up = None if self.p.stream or self.attempt else self.px.pool.get(self.role)
         if up is None:
             self.loop.create_task(self._connect())
         else:
@@ -173,7 +168,7 @@ class Exchange:
             self._send(cast(Upstream, up))
 
     async def _connect(self) -> None:
-        t = self.px.targets[self.role]
+        t = self.px.pool.targets[self.role]
         assert t is not None
         try:
             async with asyncio.timeout(self.px.config.connect_timeout):
@@ -199,7 +194,7 @@ class Exchange:
     def _send(self, up: Upstream) -> None:
         self.up = up
         self.last = self.loop.time()
-        t = self.px.targets[self.role]
+        t = self.px.pool.targets[self.role]
         assert t is not None
         self.written = True
         up.send(self._request_bytes(t), self)
@@ -372,10 +367,10 @@ class Exchange:
         up = self.up
         if up is not None:
             if up.reusable and not up.lost and not self.p.stream and how == "end":
-                px.pool_put(self.role, up)
+                px.pool.put(self.role, up)
             else:
                 up.close()
-        px.busy[self.role] -= 1
+        px.pool.busy[self.role] -= 1
         if how == "give-back" and not self.sent:
             assert failed is not None
             px.metrics.fast_path.inc("given_back")
@@ -384,7 +379,7 @@ class Exchange:
             front.give_back(self, (self.role, failed))
             return
         px.metrics.fast_path.inc("served")
-        px.account("POST", o, self.t0)
+        px.accounting.account("POST", o, self.t0)
         self.done.set_result(None)
         front.done(close)
 
@@ -404,7 +399,7 @@ class Exchange:
             + body
         )
 
-    def _answer(self, how: str, o: Outcome, error: UpstreamFailed | None) -> bool:
+    def _answer(self, how: str, o: RequestRecord, error: UpstreamFailed | None) -> bool:
         """Write the response (or its end) to the client; True to close the connection."""
         px = self.px
         if self.stream is not None:
@@ -412,7 +407,7 @@ class Exchange:
                 self.stream.client_gone()
             return self.stream.close_after
         if how == "client-gone":
-            px.disconnected(o)
+            px.accounting.disconnected(o)
             return True
         if how == "shutdown":
             px.metrics.errors.inc("shutdown")
@@ -429,7 +424,7 @@ class Exchange:
                 f"{px.config.read_timeout:g}s mid-response",
             )
         if error is not None:
-            px.failed(error, o)
+            px.accounting.failed(error, o)
             self._write_error(error.status, error.message, self.head.close, self._headers())
             return False
         # a whole body
@@ -440,7 +435,7 @@ class Exchange:
             raise _GiveBack(f"answered HTTP 503 ({_error_message(raw)})")
         headers = dict(self._headers())
         try:
-            raw = px.body_answer(
+            raw = px.checks.body_answer(
                 raw,
                 resp.status,
                 resp.content_type or "application/json",
@@ -476,7 +471,7 @@ def _error_message(raw: bytes) -> str:
 class Relay:
     """A stream relayed event by event as it arrives (as `stream_relay` does on aiohttp's path)."""
 
-    def __init__(self, ex: Exchange, o: Outcome) -> None:
+    def __init__(self, ex: Exchange, o: RequestRecord) -> None:
         self.ex, self.o = ex, o
         self.st = StreamState()
         self.splitter = sse.EventSplitter()
@@ -490,7 +485,9 @@ class Relay:
         px = ex.px
         events = self.splitter.feed(data)
         if events:
-            pieces, bad = px.events(events, ex.p, self.st, ex.role, check=ex.check, annotated=False)
+            pieces, bad = px.checks.events(
+                events, ex.p, self.st, ex.role, check=ex.check, annotated=False
+            )
             if pieces:
                 ex.front.write(wire.chunk(b"".join(pieces)))
             if bad is not None:
@@ -543,13 +540,13 @@ class Relay:
         if self.st.finished:
             error = None  # nothing after the last event, not even an error
         elif error is None:
-            error = px.unfinished(self.splitter, self.st, ex.role)
+            error = px.checks.unfinished(self.splitter, self.st, ex.role)
         if ex.check:
-            px.count(ex.role, self.st.tally, self.o)
+            px.accounting.count(ex.role, self.st.tally, self.o)
         self.o.status = self.o.status or 200
         tail = b""
         if error is not None:
-            tail = px.stream_error(error, self.st, self.o, annotated=False)
+            tail = px.checks.stream_error(error, self.st, self.o, annotated=False)
         ex.front.write((wire.chunk(tail) if tail else b"") + wire.LAST_CHUNK)
         if ex.up is not None and error is not None:
             ex.up.close()
@@ -558,7 +555,7 @@ class Relay:
         if not self.ended:
             self.ended = True
             if self.ex.check:
-                self.ex.px.count(self.ex.role, self.st.tally, self.o)
+                self.ex.px.accounting.count(self.ex.role, self.st.tally, self.o)
             self.ex.px.metrics.errors.inc("client_disconnect")
             self.o.status, self.o.note = 499, "client disconnected"
         self.close_after = True

@@ -1,7 +1,7 @@
 """The backends' role checks: ``/slots`` at start, every ``check_interval``, and at once when
 something suggests a role changed (a backend dropped, the plain one sent a placeholder).
 
-Why apart from the transports: both mark a backend down (`core.Shared.mark_down`, which wakes
+Why apart from the transports: both mark a backend down (`state.ProxyState.mark_down`, which wakes
 the loop here); only the role check, over aiohttp's client, says it is up again.
 """
 
@@ -12,9 +12,9 @@ import contextlib
 import logging
 import time
 
-from specaudit.proxy.aio_client import Client
-from specaudit.proxy.backends import State, assess, probe
-from specaudit.proxy.shared import PLAIN, SPEC, Shared
+from specaudit.proxy.aio_client import BackendClient
+from specaudit.proxy.backends import PLAIN, SPEC, State, assess, probe
+from specaudit.proxy.state import ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -24,23 +24,23 @@ MIN_RECHECK = 1.0  # seconds: a backend found down is re-probed at most this oft
 class Checker:
     """Probes the backends' roles; concurrent callers for one backend share one probe."""
 
-    def __init__(self, core: Shared, client: Client) -> None:
-        self.core = core
+    def __init__(self, state: ProxyState, client: BackendClient) -> None:
+        self.state = state
         self.client = client
-        self.keys = {PLAIN: core.config.plain_api_key, SPEC: core.config.spec_api_key}
+        self.keys = {PLAIN: state.config.plain_api_key, SPEC: state.config.spec_api_key}
         self.locks: dict[str, asyncio.Lock] = {}
 
     def start(self) -> None:
         self.locks = {PLAIN: asyncio.Lock(), SPEC: asyncio.Lock()}
-        self.core.wake = asyncio.Event()
+        self.state.wake = asyncio.Event()
 
     async def check_backends(self) -> None:
         await asyncio.gather(self.check(PLAIN), self.check(SPEC))
 
     async def check(self, role: str, not_before: float | None = None) -> None:
         """Probe one backend; concurrent callers share one probe."""
-        core = self.core
-        b = core.backends[role]
+        state = self.state
+        b = state.backends[role]
         async with self.locks[role]:
             if not_before is not None and b.checked_mono >= not_before:
                 return  # someone else probed while we waited
@@ -51,10 +51,10 @@ class Checker:
                 session,
                 b.url,
                 self.keys[role],
-                timeout=min(core.config.connect_timeout + 5.0, 30.0),
+                timeout=min(state.config.connect_timeout + 5.0, 30.0),
             )
             assess(b, p)
-            core.gauges(b)
+            state.gauges(b)
             if (b.state, b.warning) != before:
                 level = logging.INFO if b.state is State.UP and not b.warning else logging.WARNING
                 log.log(
@@ -68,12 +68,12 @@ class Checker:
                 )
 
     async def loop(self) -> None:
-        """Every ``check_interval``, or at once when `core.wake` is set."""
-        wake = self.core.wake
+        """Every ``check_interval``, or at once when `state.wake` is set."""
+        wake = self.state.wake
         assert wake is not None
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout=self.core.config.check_interval)
+                await asyncio.wait_for(wake.wait(), timeout=self.state.config.check_interval)
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 # `stop` cancelled this as `wake` was set: Python 3.11's wait_for then returns
@@ -88,7 +88,7 @@ class Checker:
 
     async def usable(self, role: str) -> str | None:
         """None when `role` may take requests now, else why not (re-probing at most 1/s)."""
-        b = self.core.backends[role]
+        b = self.state.backends[role]
         if b.state is State.UP:
             return None
         now = time.monotonic()

@@ -142,40 +142,61 @@ class RequestReader:
             raise NotPlain("not POST <endpoint> HTTP/1.1")
         if not buf.startswith(b"POST %b HTTP/1.1\r\n" % url):
             raise NotPlain("not the request line's plain form")  # llhttp allows more spaces
-        headers = self._headers
-        if len(headers) > MAX_HEADERS:
-            raise NotPlain("too many headers")
-        length: int | None = None
-        close = False
-        auth: bytes | None = None
-        seen: set[bytes] = set()
-        for name, value in headers:
-            # llhttp refused control characters (tab aside) and DEL: ASCII is visible ASCII
-            if not value.isascii():
-                raise NotPlain("a header value that is not ASCII")
-            n = name.lower()
-            if n not in _NOTED:
-                continue  # most headers (Accept, X-Stainless-*, ...): nothing to do
-            if n in _REFUSED:
-                raise NotPlain(n.decode())
-            if n in seen and n != b"connection":
-                raise NotPlain(f"two {n.decode()} headers")
-            seen.add(n)
-            if n == b"content-length":
-                value = value.strip(b" \t")
-                if not value.isdigit() or len(value) > 15:
-                    raise NotPlain("Content-Length")
-                length = int(value)
-            elif n == b"connection":
-                tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
-                if b"upgrade" in tokens:
-                    raise NotPlain("Connection: upgrade")
-                close = close or b"close" in tokens
-            elif n == b"authorization":
-                auth = value.strip(b" \t")
-        if length is None or b"host" not in seen:
-            raise NotPlain("no Content-Length or no Host")
+        length, close, auth = _plain_headers(self._headers)
         return RequestHead(url.decode("ascii"), url, length, end, close, auth)
+
+
+def _plain_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bool, bytes | None]:
+    """A plain request's ``Content-Length``, whether it closes the connection, and its
+    ``Authorization``; `NotPlain` for headers the core does not take."""
+    if len(headers) > MAX_HEADERS:
+        raise NotPlain("too many headers")
+    length: int | None = None
+    close = False
+    auth: bytes | None = None
+    seen: set[bytes] = set()
+    for name, value in headers:
+        # llhttp refused control characters (tab aside) and DEL: ASCII is visible ASCII
+        if not value.isascii():
+            raise NotPlain("a header value that is not ASCII")
+        n = name.lower()
+        if n not in _NOTED:
+            continue  # most headers (Accept, X-Stainless-*, ...): nothing to do
+        _note(n, seen)
+        if n == b"content-length":
+            length = _content_length(value)
+        elif n == b"connection":
+            close = _connection_closes(value) or close
+        elif n == b"authorization":
+            auth = value.strip(b" \t")
+    if length is None or b"host" not in seen:
+        raise NotPlain("no Content-Length or no Host")
+    return length, close, auth
+
+
+def _note(n: bytes, seen: set[bytes]) -> None:
+    """A header the core looks at (`n`: its lower-cased name), added to `seen`; `NotPlain`
+    for one it refuses or one too many."""
+    if n in _REFUSED:
+        raise NotPlain(n.decode())
+    if n in seen and n != b"connection":
+        raise NotPlain(f"two {n.decode()} headers")
+    seen.add(n)
+
+
+def _content_length(value: bytes) -> int:
+    value = value.strip(b" \t")
+    if not value.isdigit() or len(value) > 15:
+        raise NotPlain("Content-Length")
+    return int(value)
+
+
+def _connection_closes(value: bytes) -> bool:
+    """Whether a ``Connection`` header asks to close; `NotPlain` for an upgrade."""
+    tokens = {t.strip(b" \t").lower() for t in value.split(b",")}
+    if b"upgrade" in tokens:
+        raise NotPlain("Connection: upgrade")
+    return b"close" in tokens
 
 
 @dataclass(slots=True)
@@ -309,10 +330,7 @@ def _response_head(
         if n == b"content-length":
             length = int(value.strip(b" \t"))  # llhttp checked it: digits, only one
         elif n == b"transfer-encoding":
-            codings = [c.strip(b" \t").lower() for c in value.split(b",")]
-            if chunked or codings != [b"chunked"]:
-                raise BadResponse("unsupported Transfer-Encoding")
-            chunked = True
+            chunked = _chunked(value, chunked)
         elif n == b"content-type":
             if ctype is not None:
                 raise BadResponse("two Content-Type headers")  # which one? aiohttp's path says
@@ -322,3 +340,11 @@ def _response_head(
     if not chunked and length is None:
         close = True
     return ResponseHead(status, ctype or "", length, chunked, close)
+
+
+def _chunked(value: bytes, chunked: bool) -> bool:
+    """A ``Transfer-Encoding`` header (`chunked`: one came before): only one, only chunked."""
+    codings = [c.strip(b" \t").lower() for c in value.split(b",")]
+    if chunked or codings != [b"chunked"]:
+        raise BadResponse("unsupported Transfer-Encoding")
+    return True

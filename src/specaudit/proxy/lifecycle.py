@@ -1,8 +1,8 @@
 """The proxy as one object: start, serve on both transports, check roles, stop gracefully.
 
-`Proxy` is the shared layer (`core.Shared`) plus what owns the sockets and tasks: the listener
-(every connection starts on the forwarding core, `fast.Front`), aiohttp's server for what the
-core hands over (`server.AiohttpPath`), aiohttp's client sessions (`aio_client.Client`) and
+`Proxy` is the shared layer (`state.ProxyState`) plus what owns the sockets and tasks: the listener
+(every connection starts on the forwarding core, `forwarding.Front`), aiohttp's server for what the
+core hands over (`server.AiohttpPath`), aiohttp's client sessions (`aio_client.BackendClient`) and
 the role checks (`health.Checker`). It is the only module that knows both transports.
 """
 
@@ -15,27 +15,28 @@ import time
 from typing import Any
 
 from specaudit import __version__
-from specaudit.proxy import fast
-from specaudit.proxy.aio_client import Client
-from specaudit.proxy.backends import State
+from specaudit.proxy import forwarding
+from specaudit.proxy.accounting import RequestRecord
+from specaudit.proxy.aio_client import BackendClient
+from specaudit.proxy.backends import PLAIN, SPEC, State
 from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.health import Checker
 from specaudit.proxy.redact import install_log_redaction
 from specaudit.proxy.server import AiohttpPath
-from specaudit.proxy.shared import PLAIN, SPEC, Outcome, Shared
 from specaudit.proxy.slow_clients import BODY, HANDLING, IDLE, RequestHandler, WebServer
+from specaudit.proxy.state import ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
 ABORT_WAIT = 1.0  # seconds, on stop: for the requests ended after the grace period to finish
 
 
-class Proxy(Shared):
+class Proxy(ProxyState):
     """``await Proxy(config).start()``; then ``proxy.url`` serves until ``await proxy.stop()``."""
 
     def __init__(self, config: ProxyConfig) -> None:
         super().__init__(config)
-        self.client = Client(self)
+        self.client = BackendClient(self)
         self.checker = Checker(self, self.client)
         self.aiohttp_path = AiohttpPath(self, self.client, self.checker)
         self._check_task: asyncio.Task[None] | None = None
@@ -66,7 +67,7 @@ class Proxy(Shared):
             loop = asyncio.get_running_loop()
             try:
                 self._server = await loop.create_server(
-                    lambda: fast.Front(self),
+                    lambda: forwarding.Front(self),
                     self.config.host,
                     self.config.port,
                     reuse_address=True,
@@ -113,29 +114,11 @@ class Proxy(Shared):
         an SSE error event, a request not yet answered with a 503. Returns within about
         ``grace + 1.5`` seconds whatever the backends and clients do."""
         grace = self.config.shutdown_grace if grace is None else grace
-        if self._check_task is not None:
-            self._check_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._check_task
-            self._check_task = None
+        await self._stop_checks()
         if self._server is not None:
             self.draining = True
             self._server.close()  # no new connections
-            for front in list(self.fronts):
-                if front.busy is None:
-                    if front.got_bytes and front.buf:
-                        front.hand_over()  # a request begun: aiohttp's path answers it (503)
-                    elif front.transport is not None:
-                        front.transport.close()  # idle: close now
-            if self._web is not None:
-                for conn in self._web.connections:
-                    phase = conn.phase if isinstance(conn, RequestHandler) else IDLE
-                    if phase == HANDLING:
-                        conn.close()  # closed once its answer is out
-                    elif (
-                        phase != BODY
-                    ):  # BODY: the request's answer closes it (`AiohttpPath.handle`)
-                        conn.force_close()  # idle, or a request not yet begun: close now
+            self._close_idle()
             if self.inflight:
                 log.info(
                     "stopping: %d request(s) in flight, waiting up to %gs",
@@ -143,23 +126,49 @@ class Proxy(Shared):
                     grace,
                 )
             await self._drain(grace)
-            for task, o in list(self.inflight.items()):
-                self._abort(task, o)
-            if self.inflight:  # each ends at once: its error event or 503 is written
-                await asyncio.wait(set(self.inflight), timeout=ABORT_WAIT)
-            if self._web is not None:
-                # whatever is left (a client not reading its answer) is cut here
-                await self._web.shutdown(timeout=ABORT_WAIT / 2)
-            for front in list(self.fronts):
-                if front.transport is not None:
-                    front.transport.abort()
+            await self._end_the_rest()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), ABORT_WAIT)
             self._server = None
         await self.client.close()
-        for pool in self.pools.values():
-            while pool:
-                pool.pop().close()
+        self.pool.close()
+
+    async def _stop_checks(self) -> None:
+        if self._check_task is not None:
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._check_task
+            self._check_task = None
+
+    def _close_idle(self) -> None:
+        """Close the connections with no request being answered; a request begun but not yet
+        answered gets its 503 from aiohttp's path."""
+        for front in list(self.fronts):
+            if front.busy is None:
+                if front.got_bytes and front.buf:
+                    front.hand_over()  # a request begun: aiohttp's path answers it (503)
+                elif front.transport is not None:
+                    front.transport.close()  # idle: close now
+        if self._web is not None:
+            for conn in self._web.connections:
+                phase = conn.phase if isinstance(conn, RequestHandler) else IDLE
+                if phase == HANDLING:
+                    conn.close()  # closed once its answer is out
+                elif phase != BODY:  # BODY: the request's answer closes it (`AiohttpPath.handle`)
+                    conn.force_close()  # idle, or a request not yet begun: close now
+
+    async def _end_the_rest(self) -> None:
+        """After the grace period: end each request still in flight, then cut whatever is
+        left (a client not reading its answer)."""
+        for task, o in list(self.inflight.items()):
+            self._abort(task, o)
+        if self.inflight:  # each ends at once: its error event or 503 is written
+            await asyncio.wait(set(self.inflight), timeout=ABORT_WAIT)
+        if self._web is not None:
+            await self._web.shutdown(timeout=ABORT_WAIT / 2)
+        for front in list(self.fronts):
+            if front.transport is not None:
+                front.transport.abort()
 
     async def _drain(self, grace: float) -> None:
         """Wait until no request is in flight, `grace` has passed, or `hurry` was called."""
@@ -181,14 +190,14 @@ class Proxy(Shared):
                 if waiter is not None:
                     waiter.cancel()
 
-    def _abort(self, task: asyncio.Future[Any], o: Outcome) -> None:
+    def _abort(self, task: asyncio.Future[Any], o: RequestRecord) -> None:
         """End one request at the end of the grace period."""
         if o.shutdown or task.done():
             return
         o.shutdown = True
         if o.stop_stream is not None:
             # a stream being relayed ends with an error event (`stream_relay`); a fast-path
-            # request ends itself (`fast.Exchange.shut_down`: the error event, or a 503)
+            # request ends itself (`forwarding.Exchange.shut_down`: the error event, or a 503)
             o.stop_stream()
         else:
             # nothing sent yet: the handler answers 503 (`AiohttpPath.handle`)

@@ -26,13 +26,13 @@ from specaudit.proxy.routing import Kind
 
 
 @dataclass
-class Tally:
+class PlaceholderTally:
     """Tokens seen and placeholders rewritten, accumulated over one response."""
 
     tokens: int = 0
     placeholders: int = 0
 
-    def add(self, other: Tally) -> None:
+    def add(self, other: PlaceholderTally) -> None:
         self.tokens += other.tokens
         self.placeholders += other.placeholders
 
@@ -63,9 +63,9 @@ def _candidates(entry: Any) -> int:
     return len(c) if isinstance(c, list | dict) else 0
 
 
-def check_entries(entries: list[Any], requested: int) -> Tally:
+def check_entries(entries: list[Any], requested: int) -> PlaceholderTally:
     """Token entries ``{token, logprob|prob, top_logprobs|top_probs}``; placeholders -> null."""
-    t = Tally()
+    t = PlaceholderTally()
     for e in entries:
         if not is_node(e):
             continue
@@ -81,9 +81,9 @@ def check_entries(entries: list[Any], requested: int) -> Tally:
     return t
 
 
-def _check_legacy(lp: Any, requested: int) -> Tally:
+def _check_legacy(lp: Any, requested: int) -> PlaceholderTally:
     """OpenAI legacy completions form: ``tokens``, ``token_logprobs``, ``top_logprobs``."""
-    t = Tally()
+    t = PlaceholderTally()
     tokens = get(lp, "tokens")
     values = get(lp, "token_logprobs")
     tops = get(lp, "top_logprobs")
@@ -99,7 +99,7 @@ def _check_legacy(lp: Any, requested: int) -> Tally:
     return t
 
 
-def check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
+def check_choice_logprobs(lp: Any, requested: int) -> PlaceholderTally | None:
     """A choice's ``logprobs`` (chat ``content`` entries, or the legacy completions form);
     None when it carries no token entries at all."""
     if not is_node(lp):
@@ -112,9 +112,9 @@ def check_choice_logprobs(lp: Any, requested: int) -> Tally | None:
     return None
 
 
-def check_body(kind: Kind, body: Any, requested: int) -> Tally:
+def check_body(kind: Kind, body: Any, requested: int) -> PlaceholderTally:
     """A whole (non-streamed) response body."""
-    t = Tally()
+    t = PlaceholderTally()
     if requested <= 0:
         return t
     if kind is Kind.COMPLETION:
@@ -150,59 +150,79 @@ def _missing_entry(token: str, post_sampling: bool, token_id: int | None = None)
     return e
 
 
-def check_event(kind: Kind, event: Any, requested: int, post_sampling: bool = False) -> Tally:
+def check_event(
+    kind: Kind, event: Any, requested: int, post_sampling: bool = False
+) -> PlaceholderTally:
     """One streamed event (parsed ``data:`` JSON).
 
     A token streamed with no probability entry is a placeholder: the entry is added with
     ``logprob: null`` so a client that asked for logprobs sees the gap instead of nothing.
     """
-    t = Tally()
     if requested <= 0 or not isinstance(event, dict):
-        return t
+        return PlaceholderTally()
     if kind is Kind.COMPLETION:
-        probs = event.get("completion_probabilities")
-        if isinstance(probs, list) and probs:
-            return check_entries(probs, requested)
-        content = event.get("content")
-        ids = (
-            [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(i, bool)]
-            if isinstance(event.get("tokens"), list)
-            else []
-        )
-        text = content if isinstance(content, str) else ""
-        if ids:
-            event["completion_probabilities"] = [
-                _missing_entry(text if j == 0 else "", post_sampling, tid)
-                for j, tid in enumerate(ids)
-            ]
-            return Tally(len(ids), len(ids))
-        if text:
-            event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
-            return Tally(1, 1)
-        return t
+        return _check_native_event(event, requested, post_sampling)
+    t = PlaceholderTally()
     choices = event.get("choices")
     if not isinstance(choices, list):
         return t
     for ch in choices:
-        if not isinstance(ch, dict):
-            continue
-        sub = check_choice_logprobs(ch.get("logprobs"), requested)
-        if sub is not None:
-            t.add(sub)
-            continue
-        if kind is Kind.CHAT:
-            delta = ch.get("delta")
-            text = ""
-            if isinstance(delta, dict):
-                for key in ("content", "reasoning_content"):
-                    v = delta.get(key)
-                    if isinstance(v, str) and v:
-                        text = v
-                        break
-        else:
-            v = ch.get("text")
-            text = v if isinstance(v, str) else ""
-        if text:
-            ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
-            t.add(Tally(1, 1))
+        if isinstance(ch, dict):
+            t.add(_check_streamed_choice(kind, ch, requested, post_sampling))
     return t
+
+
+def _check_native_event(
+    event: dict[str, Any], requested: int, post_sampling: bool
+) -> PlaceholderTally:
+    """A native ``/completion`` event: its ``completion_probabilities``, or the entries it
+    left out (one per token id it names, else one for its text)."""
+    probs = event.get("completion_probabilities")
+    if isinstance(probs, list) and probs:
+        return check_entries(probs, requested)
+    content = event.get("content")
+    ids = (
+        [i for i in event.get("tokens") or [] if isinstance(i, int) and not isinstance(i, bool)]
+        if isinstance(event.get("tokens"), list)
+        else []
+    )
+    text = content if isinstance(content, str) else ""
+    if ids:
+        event["completion_probabilities"] = [
+            _missing_entry(text if j == 0 else "", post_sampling, tid) for j, tid in enumerate(ids)
+        ]
+        return PlaceholderTally(len(ids), len(ids))
+    if text:
+        event["completion_probabilities"] = [_missing_entry(text, post_sampling)]
+        return PlaceholderTally(1, 1)
+    return PlaceholderTally()
+
+
+def _check_streamed_choice(
+    kind: Kind, ch: dict[str, Any], requested: int, post_sampling: bool
+) -> PlaceholderTally:
+    """One choice of an OpenAI-style event: its ``logprobs`` checked, or the entry it left
+    out for the text it carries."""
+    sub = check_choice_logprobs(ch.get("logprobs"), requested)
+    if sub is not None:
+        return sub
+    text = _streamed_text(kind, ch)
+    if text:
+        ch["logprobs"] = {"content": [_missing_entry(text, post_sampling)]}
+        return PlaceholderTally(1, 1)
+    return PlaceholderTally()
+
+
+def _streamed_text(kind: Kind, ch: dict[str, Any]) -> str:
+    """The text a streamed choice carries: a chat delta's content (or reasoning), a
+    completion's text."""
+    if kind is not Kind.CHAT:
+        v = ch.get("text")
+        return v if isinstance(v, str) else ""
+    delta = ch.get("delta")
+    if isinstance(delta, dict):
+        for key in ("content", "reasoning_content"):
+            v = delta.get(key)
+            if isinstance(v, str) and v:
+                return v
+    return ""

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from specaudit.proxy.accounting import ProxyStats
 from specaudit.proxy.config import ProxyConfig, ProxyError
 from specaudit.proxy.lifecycle import Proxy
-from specaudit.proxy.shared import ProxyStats
 
 LOOPS = ("auto", "uvloop", "asyncio")
 
@@ -20,7 +20,7 @@ LOOPS = ("auto", "uvloop", "asyncio")
 def new_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
     """The proxy's event loop: uvloop when installed (``auto``), else asyncio's own.
 
-    Why uvloop: on the forwarding core (`fast`) the loop's own work is a large share of the
+    Why uvloop: on the forwarding core (`forwarding`) the loop's own work is a large share of the
     proxy's CPU per request; benchmarks/bench_proxy_loop.py measures both side by side.
     """
     if kind not in LOOPS:

@@ -1,22 +1,22 @@
 """aiohttp's path: every request the forwarding core does not serve, and every rule.
 
-Every connection starts on the forwarding core (`fast`); whatever it does not take goes, bytes
+Every connection starts on the forwarding core (`forwarding`); whatever it does not take goes, bytes
 read so far included, to aiohttp's server (`slow_clients.WebServer`), whose handler is
-`AiohttpPath.handle`. Both depend on the shared layer (`shared`) only: the backends' roles, the
+`AiohttpPath.handle`. Both depend on the shared layer (`state`) only: the backends' roles, the
 counters, the access log and the graceful stop live there.
 
 Request path, in order:
 1. exact path match (`routing.ENDPOINTS`; anything else is a 404 from the proxy), method check,
-   headers and body read with a size limit and a deadline (`shared.ClientGuard`: 408), JSON and
+   headers and body read with a size limit and a deadline (`state.ClientGuard`: 408), JSON and
    field-type validation (4xx with a message);
 2. routing: a request that asks for logprobs goes to the plain backend, anything else to the
    speculating one (`routing.plan`, or the plan the core handed over with the request);
 3. forwarding: the body bytes unchanged to ``<backend URL><same path>``; only
    ``Content-Type`` and the client's ``Authorization`` are passed on (`aio_client`);
-4. relaying: non-streamed bodies are checked and forwarded whole (`core.Shared.body_answer`),
-   SSE event by event as it arrives (`stream_relay`). Responses to logprobs requests are
-   checked token by token whichever backend sent them; a placeholder becomes
-   ``logprob: null`` (`placeholders`).
+4. relaying: non-streamed bodies are checked and forwarded whole
+   (`answers.AnswerChecks.body_answer`), SSE event by event as it arrives (`stream_relay`).
+   Responses to logprobs requests are checked token by token whichever backend sent them; a
+   placeholder becomes ``logprob: null`` (`placeholders`).
 
 A backend that did not take a request (refused connection, HTTP 503) is marked down and the
 request falls back (plain serves everything; a logprobs request is refused or annotated per
@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -37,25 +38,22 @@ from aiohttp import web
 from specaudit import __version__
 from specaudit.proxy import metrics as metrics_mod
 from specaudit.proxy import routing
-from specaudit.proxy.aio_client import Client
-from specaudit.proxy.backends import State
-from specaudit.proxy.config import OnPlainDown
-from specaudit.proxy.health import Checker
-from specaudit.proxy.routing import Kind, Plan, RequestError, Route
-from specaudit.proxy.shared import (
+from specaudit.proxy.accounting import RequestRecord
+from specaudit.proxy.aio_client import BackendClient
+from specaudit.proxy.answers import (
     H_ANNOTATED,
     H_BACKEND,
     H_FALLBACK,
     H_ROUTE,
-    PLAIN,
-    SPEC,
-    Outcome,
-    Shared,
-    Unreachable,
     UpstreamFailed,
     error_body,
 )
+from specaudit.proxy.backends import PLAIN, SPEC, State
+from specaudit.proxy.config import OnPlainDown
+from specaudit.proxy.health import Checker
+from specaudit.proxy.routing import Kind, Plan, RequestError, Route
 from specaudit.proxy.slow_clients import BODY, WebServer, conn_of
+from specaudit.proxy.state import ProxyState, Unreachable
 from specaudit.proxy.stream_relay import relay_stream
 
 log = logging.getLogger("specaudit.proxy")
@@ -76,20 +74,20 @@ def error_response(
 
 
 class AiohttpPath:
-    """aiohttp's handler for the proxy's requests, over the shared `Shared`."""
+    """aiohttp's handler for the proxy's requests, over the shared `ProxyState`."""
 
-    def __init__(self, core: Shared, client: Client, checker: Checker) -> None:
-        self.core = core
-        self.config = core.config
-        self.metrics = core.metrics
+    def __init__(self, state: ProxyState, client: BackendClient, checker: Checker) -> None:
+        self.state = state
+        self.config = state.config
+        self.metrics = state.metrics
         self.client = client
         self.checker = checker
 
     def web_server(self) -> WebServer:
         return WebServer(
             self.handle,
-            on_bad_http=self.core.bad_http,
-            guard=self.core.guard,
+            on_bad_http=self.state.accounting.bad_http,
+            guard=self.state.guard,
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=75.0,
@@ -99,34 +97,22 @@ class AiohttpPath:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t0 = time.perf_counter()
-        o = Outcome(endpoint=request.path if request.path in _KNOWN_PATHS else "other")
+        o = RequestRecord(endpoint=request.path if request.path in _KNOWN_PATHS else "other")
         task = asyncio.current_task()
         if task is not None:
-            self.core.inflight[task] = o
-            task.add_done_callback(self.core.request_done)
+            self.state.inflight[task] = o
+            task.add_done_callback(self.state.request_done)
         self.metrics.in_flight.inc()
         resp: web.StreamResponse | None = None
         try:
-            if self.core.draining:
-                self.metrics.errors.inc("shutdown")
-                o.note = "shutting down"
-                resp = error_response(503, "the proxy is shutting down; retry elsewhere or later")
+            if self.state.draining:
+                resp = self._draining(o)
             else:
                 resp = await self._dispatch(request, o)
             o.status = o.status or resp.status
             return resp
         except RequestError as e:
-            kind = {
-                404: "not_found",
-                405: "bad_method",
-                408: "client_timeout",
-                413: "body_too_large",
-            }.get(e.status, "bad_request")
-            self.metrics.errors.inc(kind)
-            o.status, o.note = e.status, e.message
-            resp = error_response(e.status, e.message, param=e.param)
-            if e.status == 408:
-                resp.force_close()
+            resp = self._refused(e, o)
             return resp
         except Exception as e:
             # a defect in the proxy: a clean JSON error (never aiohttp's text 500), the
@@ -136,32 +122,51 @@ class AiohttpPath:
             o.status, o.note = 500, f"internal error: {type(e).__name__}"
             return error_response(500, f"the proxy failed on this request ({type(e).__name__})")
         except asyncio.CancelledError:
-            if o.shutdown and task is not None and task.cancelling() == 1:
-                # cancelled by `stop` after the grace period, before anything was sent
-                task.uncancel()
-                self.metrics.errors.inc("shutdown")
-                o.status, o.note = 503, "shutting down"
-                resp = error_response(503, self.core.shutdown_message())
-                return resp
-            self.core.disconnected(o)
-            raise
-        except ConnectionResetError:
-            self.core.disconnected(o)
-            raise
+            resp = self._stopped(task, o)
+            if resp is None:
+                self.state.accounting.disconnected(o)
+                raise
+            return resp
         finally:
-            if self.core.draining and resp is not None:
+            if self.state.draining and resp is not None:
                 resp.force_close()  # no further request on this connection
             conn = conn_of(request)
             if conn is not None:
                 conn.body_done()
-            self.core.account(request.method, o, t0)
+            self.state.accounting.account(request.method, o, t0)
 
-        # the client went away; leaving the handler closes the upstream request
-        self.metrics.errors.inc("client_disconnect")
-        o.status = o.status or 499
-        o.note = "client disconnected"
+    def _draining(self, o: RequestRecord) -> web.Response:
+        """A request that arrived while the proxy stops: 503 at once."""
+        self.metrics.errors.inc("shutdown")
+        o.note = "shutting down"
+        return error_response(503, "the proxy is shutting down; retry elsewhere or later")
 
-    async def _dispatch(self, request: web.BaseRequest, o: Outcome) -> web.StreamResponse:
+    def _refused(self, e: RequestError, o: RequestRecord) -> web.Response:
+        """What the client did wrong, answered with its 4xx (a 408 also closes)."""
+        kind = {
+            404: "not_found",
+            405: "bad_method",
+            408: "client_timeout",
+            413: "body_too_large",
+        }.get(e.status, "bad_request")
+        self.metrics.errors.inc(kind)
+        o.status, o.note = e.status, e.message
+        resp = error_response(e.status, e.message, param=e.param)
+        if e.status == 408:
+            resp.force_close()
+        return resp
+
+    def _stopped(self, task: asyncio.Task[Any] | None, o: RequestRecord) -> web.Response | None:
+        """The 503 for a request `stop` cancelled after the grace period, before anything was
+        sent; None when the cancellation is not `stop`'s (the client went away)."""
+        if not (o.shutdown and task is not None and task.cancelling() == 1):
+            return None
+        task.uncancel()
+        self.metrics.errors.inc("shutdown")
+        o.status, o.note = 503, "shutting down"
+        return error_response(503, self.state.shutdown_message())
+
+    async def _dispatch(self, request: web.BaseRequest, o: RequestRecord) -> web.StreamResponse:
         path = request.path
         if path in ("/health", "/metrics"):
             self._body_done(request)
@@ -201,7 +206,7 @@ class AiohttpPath:
         return await self._serve(request, p, o, failed)
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """The whole body, by the request's deadline (`shared.ClientGuard`) and within the limit."""
+        """The whole body, by the request's deadline (`state.ClientGuard`) and within the limit."""
         limit = self.config.max_body_bytes
         conn = conn_of(request)
         try:
@@ -228,14 +233,14 @@ class AiohttpPath:
                         chunks.append(chunk)
             except TimeoutError:
                 evicted = conn is not None and conn.evicted
-                raise RequestError(408, self.core.guard.message(evicted)) from None
+                raise RequestError(408, self.state.guard.message(evicted)) from None
             return b"".join(chunks)
         finally:
             if conn is not None:
                 conn.body_done()
 
     def _health(self) -> web.Response:
-        b = self.core.backends
+        b = self.state.backends
         plain_ok = b[PLAIN].state is State.UP
         spec_ok = b[SPEC].state is State.UP
         if plain_ok and spec_ok:
@@ -264,27 +269,27 @@ class AiohttpPath:
 
     # routing decisions ----------------------------------------------------------------------
 
-    async def _serve_models(self, request: web.BaseRequest, o: Outcome) -> web.StreamResponse:
+    async def _serve_models(self, request: web.BaseRequest, o: RequestRecord) -> web.StreamResponse:
         for role in (SPEC, PLAIN):
             try:
                 return await self._forward(
                     request, None, role, o, check=False, annotated=False, method="GET"
                 )
             except Unreachable as e:
-                self.core.mark_down(role, str(e))
+                self.state.mark_down(role, str(e))
         return self._no_backend(o)
 
-    def _no_backend(self, o: Outcome) -> web.Response:
+    def _no_backend(self, o: RequestRecord) -> web.Response:
         self.metrics.errors.inc("no_backend")
         o.note = "no backend reachable"
         return error_response(
             503,
             "neither backend is reachable: plain "
-            f"{self.core.backends[PLAIN].detail}; spec {self.core.backends[SPEC].detail}",
+            f"{self.state.backends[PLAIN].detail}; spec {self.state.backends[SPEC].detail}",
         )
 
     async def _serve(
-        self, request: web.BaseRequest, p: Plan, o: Outcome, failed: dict[str, str]
+        self, request: web.BaseRequest, p: Plan, o: RequestRecord, failed: dict[str, str]
     ) -> web.StreamResponse:
         """`failed`: backends that did not take this request already (the core tried them)."""
         if p.route is Route.DEFAULT:
@@ -293,7 +298,7 @@ class AiohttpPath:
                     request, p, SPEC, o, check=False, annotated=False, failed=failed
                 )
             except Unreachable as e:
-                self.core.mark_down(SPEC, str(e))
+                self.state.mark_down(SPEC, str(e))
             # the plain backend serves everything correctly, only slower
             try:
                 return await self._forward(
@@ -307,7 +312,7 @@ class AiohttpPath:
                     failed=failed,
                 )
             except Unreachable as e:
-                self.core.mark_down(PLAIN, str(e))
+                self.state.mark_down(PLAIN, str(e))
             return self._no_backend(o)
 
         why = await self.checker.usable(PLAIN)
@@ -318,11 +323,11 @@ class AiohttpPath:
                 )
             except Unreachable as e:
                 why = str(e)
-                self.core.mark_down(PLAIN, why)
+                self.state.mark_down(PLAIN, why)
         if self.config.on_plain_down is OnPlainDown.ERROR:
             self.metrics.errors.inc("plain_down")
             o.note = "plain backend down"
-            b = self.core.backends[PLAIN]
+            b = self.state.backends[PLAIN]
             return error_response(
                 503,
                 f"this request asks for logprobs, which only the plain (non-speculating) backend "
@@ -344,7 +349,7 @@ class AiohttpPath:
                 failed=failed,
             )
         except Unreachable as e:
-            self.core.mark_down(SPEC, str(e))
+            self.state.mark_down(SPEC, str(e))
         return self._no_backend(o)
 
     # forwarding -----------------------------------------------------------------------------
@@ -354,7 +359,7 @@ class AiohttpPath:
         request: web.BaseRequest,
         p: Plan | None,
         role: str,
-        o: Outcome,
+        o: RequestRecord,
         *,
         check: bool,
         annotated: bool,
@@ -364,19 +369,14 @@ class AiohttpPath:
     ) -> web.StreamResponse:
         if failed and role in failed:
             raise Unreachable(failed[role])  # it did not take this request a moment ago
-        headers = {"Content-Type": "application/json"} if p is not None else {}
-        auth = request.headers.get("Authorization")
-        if auth is not None:
-            headers["Authorization"] = auth  # only ever to a configured backend
-        # the upstream path is the routing table's own key, never text from the request
-        path = _CANONICAL[request.path]
         try:
             resp = await self.client.open(
                 role,
-                path,
+                # the upstream path is the routing table's own key, never text from the request
+                _CANONICAL[request.path],
                 method,
                 p.body if p else None,
-                headers,
+                _upstream_headers(request, p),
                 stream=p is not None and p.stream,
             )
         except UpstreamFailed as e:
@@ -384,20 +384,14 @@ class AiohttpPath:
             o.backend, o.note = role, e.kind
             return error_response(e.status, e.message, headers={H_BACKEND: role})
         o.backend = role
-        out_headers = {H_BACKEND: role}
-        if p is not None:
-            out_headers[H_ROUTE] = p.route.value
-        if annotated:
-            out_headers[H_ANNOTATED] = "true"
-        if fallback:
-            out_headers[H_FALLBACK] = fallback
+        out_headers = _answer_headers(role, p, annotated=annotated, fallback=fallback)
         try:
             if resp.status == 503:
                 detail = await self._error_message(resp, role)
                 raise Unreachable(f"answered HTTP 503 ({detail})")
             if resp.status == 200 and resp.content_type == "text/event-stream" and p is not None:
                 return await relay_stream(
-                    self.core, request, resp, p, role, o, out_headers, check, annotated
+                    self.state, request, resp, p, role, o, out_headers, check, annotated
                 )
             return await self._relay_body(resp, p, role, o, out_headers, check=check)
         except UpstreamFailed as e:
@@ -426,14 +420,16 @@ class AiohttpPath:
         resp: aiohttp.ClientResponse,
         p: Plan | None,
         role: str,
-        o: Outcome,
+        o: RequestRecord,
         headers: dict[str, str],
         *,
         check: bool,
     ) -> web.Response:
         raw = await self.client.read_limited(resp, role, self.config.max_response_bytes)
         ctype = resp.headers.get("Content-Type", "application/json")
-        raw = self.core.body_answer(raw, resp.status, ctype, p, role, o, headers, check=check)
+        raw = self.state.checks.body_answer(
+            raw, resp.status, ctype, p, role, o, headers, check=check
+        )
         return web.Response(body=raw, status=resp.status, headers=headers)
 
     @staticmethod
@@ -441,3 +437,26 @@ class AiohttpPath:
         conn = conn_of(request)
         if conn is not None:
             conn.body_done()
+
+
+def _upstream_headers(request: web.BaseRequest, p: Plan | None) -> dict[str, str]:
+    """What a backend gets of the client's headers: the body's type, and its Authorization."""
+    headers = {"Content-Type": "application/json"} if p is not None else {}
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        headers["Authorization"] = auth  # only ever to a configured backend
+    return headers
+
+
+def _answer_headers(
+    role: str, p: Plan | None, *, annotated: bool, fallback: str | None
+) -> dict[str, str]:
+    """The proxy's own headers on an answer: who served it, on which route, in whose place."""
+    headers = {H_BACKEND: role}
+    if p is not None:
+        headers[H_ROUTE] = p.route.value
+    if annotated:
+        headers[H_ANNOTATED] = "true"
+    if fallback:
+        headers[H_FALLBACK] = fallback
+    return headers

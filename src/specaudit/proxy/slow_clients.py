@@ -3,10 +3,10 @@
 Why subclasses: aiohttp gives a client unlimited time to send a request (one byte a minute
 held a connection forever) and answers a request it cannot parse with a text body quoting its
 bytes and an ERROR with a traceback. `RequestHandler` adds the deadline for sending a request
-(`shared.ClientGuard`: 408) and a JSON 400 with one redacted log line; `WebServer` makes its
+(`state.ClientGuard`: 408) and a JSON 400 with one redacted log line; `WebServer` makes its
 connections use it. A handler also takes over connections the forwarding core gives up
 (`RequestHandler.adopt`), with the bytes read so far and what the core knew of the request
-(`shared.Handover`).
+(`state.Handover`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from specaudit.proxy.answers import error_body
 from specaudit.proxy.redact import redact
-from specaudit.proxy.shared import ClientGuard, Handover, error_body
+from specaudit.proxy.state import ClientGuard, Handover
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -93,7 +94,7 @@ class RequestHandler(web.RequestHandler):
         evicted: bool,
         handover: Handover | None = None,
     ) -> None:
-        """Take over a connection the forwarding core (`fast.Front`) began: its bytes so far,
+        """Take over a connection the forwarding core (`forwarding.Front`) began: its bytes so far,
         and the deadline of the request they begin (a passed one answers 408 at once), keeping
         its place among the connections still sending (`ClientGuard`). `handover`: what the
         core knew of that request (its plan; `take_handover` gives it to the request)."""

@@ -1,7 +1,8 @@
-"""What the proxy's forwarding core (`fast`) writes to clients: response heads, chunks, Date.
+"""What the proxy's forwarding core (`forwarding`) writes to clients: response heads, chunks,
+Date.
 
 Parsing is not here: requests and backend responses are read with llhttp (`httptools`, the
-parser of Node.js and uvicorn; see `fast.RequestReader` and `fast.ResponseReader`). What is
+parser of Node.js and uvicorn; see `http1.RequestReader` and `http1.ResponseReader`). What is
 left is writing, and it refuses to write a header value that could end its line: a CR, LF or
 NUL in a value would let whoever chose the value add headers of their own (a backend's
 ``Content-Type`` once could).

@@ -1,4 +1,4 @@
-"""The proxy's forwarding core (`proxy.fast`, `proxy.wire`): strict framing, and requests it
+"""The proxy's forwarding core (`proxy.forwarding`, `proxy.wire`): strict framing, and requests it
 serves itself or hands to aiohttp's path, against in-process fake backends."""
 
 from __future__ import annotations
@@ -19,9 +19,17 @@ from aiohttp import web
 
 import fakes
 from proxy_helpers import metric
-from specaudit.proxy import ProxyConfig, RunningProxy, fast, http1, serve_in_thread, shared, wire
+from specaudit.proxy import (
+    ProxyConfig,
+    RunningProxy,
+    forwarding,
+    http1,
+    pool,
+    serve_in_thread,
+    wire,
+)
 
-PATHS = fast.PATHS
+PATHS = forwarding.PATHS
 HEAD = (
     b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8081\r\nContent-Type: application/json\r\n"
     b"Content-Length: 12\r\n"
@@ -32,7 +40,7 @@ HEAD = (
 
 
 def parse(head: bytes) -> http1.RequestHead | None:
-    """As `fast.Front` reads a request: its head lines, then the blank line. None: the core
+    """As `forwarding.Front` reads a request: its head lines, then the blank line. None: the core
     hands it to aiohttp."""
     try:
         h = http1.RequestReader().feed(head + b"\r\n", PATHS)
@@ -271,8 +279,8 @@ def test_response_head_for_the_client() -> None:
 
 
 def test_https_backends_are_left_to_aiohttp() -> None:
-    assert shared.target("https://example.com:8443/x") is None
-    t = shared.target("http://127.0.0.1:8080/prefix")
+    assert pool.target("https://example.com:8443/x") is None
+    t = pool.target("http://127.0.0.1:8080/prefix")
     assert t is not None and (t.host, t.port, t.prefix_b) == ("127.0.0.1", 8080, b"/prefix")
 
 

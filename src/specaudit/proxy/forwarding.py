@@ -9,8 +9,8 @@ re-encoding of unchanged bytes:
 - `Front` is each client connection's protocol. A request it does not take (another path or
   method, a chunked body, a request the routing rules refuse, a backend not known to be up, a
   stop in progress, a deadline passed) hands the whole connection, bytes read so far
-  included, to aiohttp's path (through `core.Shared.new_handler`), with what the core knew of
-  the request (`shared.Handover`: its plan, never made twice). Error bodies for what the
+  included, to aiohttp's path (through `state.ProxyState.new_handler`), with what the core
+  knew of the request (`state.Handover`: its plan, never made twice). Error bodies for what the
   client did wrong (4xx, 408, 413) and fallbacks keep one home there.
 - `Upstream` is one connection to a backend: kept alive and reused for non-streamed requests
   (idle at most 4 s, below llama-server's 5), a fresh one per stream (llama-server closes it).
@@ -23,11 +23,11 @@ re-encoding of unchanged bytes:
   error, or (once the stream began) an SSE error event, built by the shared layer.
 
 Responses to logprobs requests are checked here with the shared functions
-(`core.Shared.body_answer`, `core.Shared.events`); the counters, access log and graceful stop are
-shared. HTTP/1.1 is read with llhttp (`http1`). Memory per client connection is bounded:
-while a request is answered at most `PIPELINE_BUFFER` bytes of pipelined requests are read
-ahead, and while the client does not read its answers (its transport paused) no next request
-is started.
+(`answers.AnswerChecks.body_answer`, `answers.AnswerChecks.events`); the counters, access log and
+graceful stop are shared. HTTP/1.1 is read with llhttp (`http1`). Memory per client
+connection is bounded: while a request is answered at most `PIPELINE_BUFFER` bytes of
+pipelined requests are read ahead, and while the client does not read its answers (its
+transport paused) no next request is started.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from specaudit.proxy import routing
 from specaudit.proxy.exchange import Exchange
 from specaudit.proxy.http1 import NotPlain, RequestReader
 from specaudit.proxy.routing import RequestError
-from specaudit.proxy.shared import Handover, Shared
+from specaudit.proxy.state import Handover, ProxyState
 
 log = logging.getLogger("specaudit.proxy")
 
@@ -53,7 +53,7 @@ _KINDS = {p: k for p, (_, k) in routing.ENDPOINTS.items()}
 class Front(asyncio.Protocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, proxy: Shared) -> None:
+    def __init__(self, proxy: ProxyState) -> None:
         self.px = proxy
         self.transport: asyncio.Transport | None = None
         self.buf = b""
@@ -113,7 +113,7 @@ class Front(asyncio.Protocol):
     # one request --------------------------------------------------------------------------
 
     def _begin(self, got_bytes: bool) -> None:
-        """A request may be starting: it has the client timeout from now (`shared.ClientGuard`)."""
+        """A request may be starting: it has the client timeout from now (`state.ClientGuard`)."""
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
