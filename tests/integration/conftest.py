@@ -8,10 +8,17 @@ built. Environment:
 - ``SPECAUDIT_LLAMA_BIN``: use an existing llama.cpp ``bin/`` instead of building b11434.
 - ``SPECAUDIT_TEST_URL_<NAME>`` (NAME upper-cased, dashes as underscores, e.g.
   ``SPECAUDIT_TEST_URL_FIXTURE_SPEC``): point the suite at an external server for that role.
+
+Servers of no preset (a mutant or a patched build on some path, the mtp and replay fixtures)
+come from `shared_servers`: each configuration, too, starts once per session. A test starts a
+server of its own only when it needs the process itself (it kills or stops it, tests a start-up
+failure or the process's lifecycle) or a fresh one (drafter state kept per slot across
+requests: the n-gram types but ngram-mod).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import audit, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
@@ -77,6 +85,37 @@ def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.Fixture
     whose rejected drafts llama-server undoes by a checkpoint restore and replay), built once
     for the session."""
     return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
+
+
+@pytest.fixture(scope="session")
+def fixture_of_kind(
+    audit_ctx: audit.AuditContext,
+    replay_fixture: fixtures.FixtureSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[fixtures.FixtureKind], fixtures.FixtureSet]:
+    """``fixture_of_kind("mtp")`` -> the session's fixture set of that kind (`fixtures.KINDS`),
+    built once: the audit context's last-token, context and mtp fixtures, `replay_fixture`, and
+    the others on first use."""
+    built: dict[str, fixtures.FixtureSet] = {"replay": replay_fixture}
+
+    def get(kind: fixtures.FixtureKind) -> fixtures.FixtureSet:
+        if kind == "last-token":
+            return audit_ctx.fixture
+        if kind == "context":
+            return audit_ctx.context_fixture
+        if kind == "mtp":
+            return audit_ctx.mtp_fixture
+        if kind not in built:
+            built[kind] = fixtures.build(tmp_path_factory.mktemp(f"fixture-{kind}"), kind=kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServers]:
+    with contextlib.ExitStack() as stack:
+        yield SharedServers(stack, tmp_path_factory.mktemp("shared-servers"))
 
 
 @pytest.fixture(scope="session")
