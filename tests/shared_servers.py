@@ -1,10 +1,15 @@
-"""Servers of the integration suite that no preset names, each configuration started once.
+"""Servers of the integration suite, each configuration started once per session.
 
-`SharedServers` (the session fixture ``shared_servers`` in conftest.py) holds the fixture servers
-of a build and a path that no `presets.PRESETS` role has (a mutant, a patched build on a path
-the presets run stock), and the other fixtures' (mtp, replay); Gemma speculating on a mutant's
-binaries. Why: the same configuration was started afresh by every test that used it, a few
-seconds each (Gemma more), though nothing in it depended on a fresh process.
+`SharedServers` (the session fixture ``shared_servers`` in tests/integration/conftest.py) hands
+out a fixture server for any binaries, fixture and verification path: the audit context's own
+server when a `presets.PRESETS` role is that configuration (the one `server(...)` gives),
+otherwise one it starts on first use and keeps for the session (a mutant, a patched build on a
+path the presets run stock, the mtp-context and replay fixtures); and Gemma speculating with
+itself on any binaries. Why: the same configuration used to be started afresh by every test
+that used it, seconds each (Gemma more), though nothing the tests assert needed a fresh
+process. A test that kills or stops its server, tests a start-up failure or the process's
+lifecycle, or needs a server without drafter state from earlier requests (the n-gram types
+that keep it per slot or per server) still starts its own.
 """
 
 from __future__ import annotations
@@ -16,20 +21,19 @@ from pathlib import Path
 import pytest
 
 from specaudit import distribution, fixtures
+from specaudit.audit import AuditContext
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
 
 class SharedServers:
-    """Servers beyond the named presets, each configuration started once per session (on first
-    use) and stopped at its end: a fixture server on a verification path with any binaries
-    (`fixture`), Gemma speculating with itself (`gemma_spec`). For tests that only send
-    requests: a test that kills a server, or needs one without per-slot drafter state from
-    earlier requests, starts its own."""
+    """Fixture servers by (binaries, fixture, path) (`fixture`) and Gemma speculating with
+    itself (`gemma_spec`), each started once, on first use, and stopped when the session
+    ends. For tests that only send requests."""
 
-    def __init__(self, stack: contextlib.ExitStack, log_root: Path) -> None:
-        self._stack, self._log_root = stack, log_root
+    def __init__(self, ctx: AuditContext, stack: contextlib.ExitStack, log_root: Path) -> None:
+        self._ctx, self._stack, self._log_root = ctx, stack, log_root
         self._servers: dict[tuple[object, ...], LlamaServer] = {}
 
     def _start(
@@ -44,9 +48,32 @@ class SharedServers:
             with pytest.MonkeyPatch.context() as mp:
                 for k, v in env.items():  # the server inherits them at start
                     mp.setenv(k, v)
-                srv = self._stack.enter_context(make(log_dir))
-            self._servers[key] = srv
+                self._servers[key] = self._stack.enter_context(make(log_dir))
         return self._servers[key]
+
+    def _preset(self, bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str) -> str | None:
+        """The audit context's role that is exactly this server, if one is."""
+        ctx = self._ctx
+        session = {  # the audit context's fixture of each kind it has, and its model name
+            "last-token": (lambda: ctx.fixture, "fixture"),
+            "context": (lambda: ctx.context_fixture, "fixture-context"),
+            "mtp": (lambda: ctx.mtp_fixture, "fixture-mtp"),
+        }
+        if fs.spec.kind not in session:
+            return None
+        fixture_of, model = session[fs.spec.kind]
+        if fixture_of().dir != fs.dir:
+            return None
+        if bins == ctx.binaries("stock"):
+            variant = "stock"
+        elif bins.variant.startswith(f"{presets.PATCH}-") and bins == ctx.binaries("patched"):
+            variant = "patched"
+        else:
+            return None
+        for p in presets.PRESETS.values():
+            if p.model == model and p.variant == variant and presets.path_of(p) == path:
+                return p.name
+        return None
 
     def fixture(
         self,
@@ -57,10 +84,19 @@ class SharedServers:
         parallel: int = 4,
         env: Mapping[str, str] | None = None,
     ) -> LlamaServer:
-        """`distribution.spawn_server(bins, fs, path=path, parallel=parallel)`, started with
-        `env` set; its log is `LlamaServer.log_path` (`dist-<path>.log`), shared by every test
-        that uses the server (a test reading it counts what its own requests added)."""
+        """A server like `distribution.spawn_server(bins, fs, path=path, parallel=parallel)`,
+        started with `env` set: the audit context's server of that role if a preset is this
+        configuration (4 slots, no `env`), else one of this pool's. Its log
+        (`LlamaServer.log_path`) has every request any test sent it: a test reading the log
+        counts what its own requests added."""
         env = dict(env or {})
+        if path == "eagle3":
+            parallel = 1  # whatever is asked (presets.for_preset), as the preset's
+        slots = 1 if path == "eagle3" else presets.POLICIES["fixture"].parallel
+        if not env and parallel == slots:
+            role = self._preset(bins, fs, path)
+            if role is not None:
+                return self._ctx.server(role)
         key = (
             "fixture",
             str(bins.bin_dir),
@@ -78,7 +114,7 @@ class SharedServers:
         )
 
     def gemma_spec(self, bins: LlamaBinaries, gemma: Path, draft_sampling: str) -> LlamaServer:
-        """Gemma 3 270M as its own draft (the "gemma-spec" role, `draft_sampling` greedy or
+        """Gemma 3 270M as its own draft (the "gemma-spec" role; `draft_sampling` greedy or
         probabilistic) on `bins`."""
         preset = presets.Preset(
             f"gemma-spec-{draft_sampling}", "gemma", True, draft_sampling=draft_sampling

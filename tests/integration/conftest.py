@@ -113,9 +113,13 @@ def fixture_of_kind(
 
 
 @pytest.fixture(scope="session")
-def shared_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServers]:
+def shared_servers(
+    audit_ctx: audit.AuditContext, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedServers]:
+    """Fixture servers for any binaries, fixture and path, and Gemma speculating on any
+    binaries, each configuration started once (tests/shared_servers.py)."""
     with contextlib.ExitStack() as stack:
-        yield SharedServers(stack, tmp_path_factory.mktemp("shared-servers"))
+        yield SharedServers(audit_ctx, stack, tmp_path_factory.mktemp("shared-servers"))
 
 
 @pytest.fixture(scope="session")

@@ -2,20 +2,22 @@
 next-token distribution depends on the whole context (and positions) agrees with the plain
 server's reported probabilities, and speculation keeps its sampling distribution.
 
-Each server is started once for this module (module-scoped fixtures, `distribution.spawn_server`,
-which sizes context-fixture servers by presets' "fixture-context" policy).
+The servers are the session's context-fixture roles (conftest: "fixture-context-plain",
+"-spec", "-spec-rejection", sized by presets' "fixture-context" policy), the fixture the
+session's context fixture.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
 
 from specaudit import distribution, fixtures
-from specaudit.llama.build import LlamaBinaries
+from specaudit.audit import AuditContext
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)
@@ -26,22 +28,23 @@ OTHER_SAMPLER = fixtures.SamplerSettings(top_k=0, top_p=0.9, min_p=0.05, tempera
 
 
 @pytest.fixture(scope="module")
-def ctx_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    fs = fixtures.build(tmp_path_factory.mktemp("fixture-context"), kind="context")
+def ctx_fixture(audit_ctx: AuditContext) -> fixtures.FixtureSet:
+    fs = audit_ctx.context_fixture
+    assert fs.spec.kind == "context"
     return fixtures.load(fs.dir)  # through the SHA-checking loader, as the CLI does
 
 
 @pytest.fixture(scope="module")
-def plain_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with distribution.spawn_server(llama_bins, ctx_fixture, draft=False) as srv:
-        assert srv.argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
-        yield srv.url
+def plain_url(audit_ctx: AuditContext, server: Callable[[str], Any]) -> str:
+    handle = server("fixture-context-plain")
+    if not handle.external:  # the f32 KV cache the closed form needs (presets.POLICIES)
+        assert audit_ctx.server(handle.name).argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
+    return str(handle.url)
 
 
 @pytest.fixture(scope="module")
-def spec_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with distribution.spawn_server(llama_bins, ctx_fixture, draft=True) as srv:
-        yield srv.url
+def spec_url(server: Callable[[str], Any]) -> str:
+    return str(server("fixture-context-spec").url)
 
 
 def _probs(
@@ -142,11 +145,10 @@ def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet)
 
 
 def test_probabilistic_draft_server_preserves(
-    llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet
+    server: Callable[[str], Any], ctx_fixture: fixtures.FixtureSet
 ) -> None:
-    spawn = distribution.spawn_server
-    with spawn(llama_bins, ctx_fixture, draft=True, draft_sampling="probabilistic") as srv:
-        res = _measure(srv.url, ctx_fixture, "server-spec-probabilistic")
+    url = server("fixture-context-spec-rejection").url
+    res = _measure(url, ctx_fixture, "server-spec-probabilistic")
     print(res.reason, res.drafted, res.accepted)
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.drafted is not None and res.accepted is not None and 0 < res.accepted < res.drafted
