@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from litellm_helpers import extra_server
 from shared_servers import SharedServers
 from specaudit import audit, fixtures, llama
 from specaudit.llama import presets
@@ -120,6 +121,14 @@ def shared_servers(
     binaries, each configuration started once (tests/shared_servers.py)."""
     with contextlib.ExitStack() as stack:
         yield SharedServers(audit_ctx, stack, tmp_path_factory.mktemp("shared-servers"))
+
+
+@pytest.fixture(scope="session")
+def fixture_spec_b(audit_ctx: audit.AuditContext, llama_bins: LlamaBinaries) -> Iterator[str]:
+    """A second "fixture-spec" process (its URL): the second speculating deployment of the
+    LiteLLM tests' model groups, which none of them stops."""
+    with extra_server(audit_ctx, llama_bins, "fixture-spec", "fixture-spec-b") as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="session")
