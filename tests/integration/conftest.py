@@ -29,7 +29,7 @@ import pytest
 
 from litellm_helpers import extra_server
 from shared_servers import SharedServers
-from specaudit import audit, fixtures, llama
+from specaudit import audit, distribution, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import Patch, resolve_all
@@ -121,6 +121,35 @@ def shared_servers(
     binaries, each configuration started once (tests/shared_servers.py)."""
     with contextlib.ExitStack() as stack:
         yield SharedServers(audit_ctx, stack, tmp_path_factory.mktemp("shared-servers"))
+
+
+@pytest.fixture(scope="session")
+def dist_section(audit_ctx: audit.AuditContext) -> audit.Section:
+    """The audit's dist section, run once: every path of the session's llama fixture servers
+    and the MTP paths, 1000 seeds each (`audit.sections.dist`). Its results are the 1000-seed
+    results of those servers for every test (`dist_result`): sampling them again gave the same
+    samples, seed for seed, at the cost of another 1000 requests."""
+    from specaudit.audit.sections import dist
+
+    return dist.section(audit_ctx)
+
+
+_DIST_KEYS = {"fixture": "dist", "fixture-context": "dist_context", "fixture-mtp": "dist_mtp"}
+
+
+@pytest.fixture(scope="session")
+def dist_result(dist_section: audit.Section) -> Callable[[str, str], distribution.EngineResult]:
+    """``dist_result("fixture-context", "rejection")`` -> the dist section's result of the
+    session's server of that model (`presets.MODELS`: fixture, fixture-context, fixture-mtp)
+    and path: `distribution.measure` of a `distribution.ServerEngine` on it, seeds 1..1000,
+    the fixture's default workload, the default alpha and tolerance."""
+
+    def get(model: str, path: str) -> distribution.EngineResult:
+        res = dist_section.data[_DIST_KEYS[model]]
+        (e,) = [e for e in res.engines if e.path == path]
+        return e
+
+    return get
 
 
 @pytest.fixture(scope="session")

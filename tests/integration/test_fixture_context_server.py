@@ -4,7 +4,8 @@ server's reported probabilities, and speculation keeps its sampling distribution
 
 The servers are the session's context-fixture roles (conftest: "fixture-context-plain",
 "-spec", "-spec-rejection", sized by presets' "fixture-context" policy), the fixture the
-session's context fixture.
+session's context fixture; their results at the report's 1000 seeds are the audit's dist
+section's, run once for the session (conftest's `dist_result`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specaudit import distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.stats import Verdict
 
-SEEDS = range(1, 1001)
+DistResultFn = Callable[[str, str], distribution.EngineResult]
 # several contexts: the report's prompt, one letter, mixed, repeated, and a long one
 PROMPTS = ("bcdbc", "a", "hgfeab", "ddddddd", "abcdefgh" * 6 + "b")
 N_PREDICT = 6  # positions 1..6 after each prompt
@@ -40,11 +41,6 @@ def plain_url(audit_ctx: AuditContext, server: Callable[[str], Any]) -> str:
     if not handle.external:  # the f32 KV cache the closed form needs (presets.POLICIES)
         assert audit_ctx.server(handle.name).argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
     return str(handle.url)
-
-
-@pytest.fixture(scope="module")
-def spec_url(server: Callable[[str], Any]) -> str:
-    return str(server("fixture-context-spec").url)
 
 
 def _probs(
@@ -122,21 +118,18 @@ def test_the_server_sees_the_context(plain_url: str, ctx_fixture: fixtures.Fixtu
     assert tv >= 0.2
 
 
-def _measure(url: str, fs: fixtures.FixtureSet, kind: str) -> distribution.EngineResult:
-    wl = distribution.make_workload(fs.spec)
-    eng = distribution.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
-    return distribution.measure(eng, fs.spec, wl, SEEDS)
+# the 1000-seed results of the session's servers: the audit's dist section's (`dist_result`)
 
 
-def test_plain_server_preserves(plain_url: str, ctx_fixture: fixtures.FixtureSet) -> None:
-    res = _measure(plain_url, ctx_fixture, "server-plain")
+def test_plain_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "plain")
     print(res.reason)
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.n_samples == 1000 and res.drafted is None
 
 
-def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet) -> None:
-    res = _measure(spec_url, ctx_fixture, "server-spec")
+def test_draft_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "greedy")
     print(res.reason, res.drafted, res.accepted)
     assert res.verdict is Verdict.PRESERVED, res.reason
     # speculation happened, and drafts were rejected as well as accepted
@@ -144,11 +137,8 @@ def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet)
     assert res.accepted is not None and 0 < res.accepted < res.drafted
 
 
-def test_probabilistic_draft_server_preserves(
-    server: Callable[[str], Any], ctx_fixture: fixtures.FixtureSet
-) -> None:
-    url = server("fixture-context-spec-rejection").url
-    res = _measure(url, ctx_fixture, "server-spec-probabilistic")
+def test_probabilistic_draft_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "rejection")
     print(res.reason, res.drafted, res.accepted)
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.drafted is not None and res.accepted is not None and 0 < res.accepted < res.drafted

@@ -70,9 +70,11 @@ def test_every_bundled_mutant_applies_to_pristine_b11434(llama_bins: LlamaBinari
 
 
 def test_stock_preserves_under_probabilistic_drafting(
-    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet
+    dist_result: Callable[[str, str], distribution.EngineResult],
 ) -> None:
-    res = _spec_server(server("fixture-spec-rejection").url, "stock", fixture_set, STOCK_SEEDS)
+    # the session's stock rejection server on seeds 1..1000: the audit's dist section's result
+    res = dist_result("fixture", "rejection")
+    assert res.n_samples == len(STOCK_SEEDS)
     assert res.verdict is Verdict.PRESERVED, res.reason
     # the rejection sampler really ran: it accepts far more than greedy's sample-and-match
     # (2637 drafted / 946 accepted on these seeds; measured 2257 / 1493 here)
