@@ -8,10 +8,17 @@ built. Environment:
 - ``SPECAUDIT_LLAMA_BIN``: use an existing llama.cpp ``bin/`` instead of building b11434.
 - ``SPECAUDIT_TEST_URL_<NAME>`` (NAME upper-cased, dashes as underscores, e.g.
   ``SPECAUDIT_TEST_URL_FIXTURE_SPEC``): point the suite at an external server for that role.
+
+Servers of no preset (a mutant or a patched build on some path, the mtp and replay fixtures)
+come from `shared_servers`: each configuration, too, starts once per session. A test starts a
+server of its own only when it needs the process itself (it kills or stops it, tests a start-up
+failure or the process's lifecycle) or a fresh one (drafter state kept per slot across
+requests: the n-gram types but ngram-mod).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from specaudit import audit, fixtures, llama
+from litellm_helpers import extra_server
+from shared_servers import SharedServers
+from specaudit import audit, distribution, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import Patch, resolve_all
@@ -77,6 +86,78 @@ def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.Fixture
     whose rejected drafts llama-server undoes by a checkpoint restore and replay), built once
     for the session."""
     return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
+
+
+@pytest.fixture(scope="session")
+def fixture_of_kind(
+    audit_ctx: audit.AuditContext,
+    replay_fixture: fixtures.FixtureSet,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[fixtures.FixtureKind], fixtures.FixtureSet]:
+    """``fixture_of_kind("mtp")`` -> the session's fixture set of that kind (`fixtures.KINDS`),
+    built once: the audit context's last-token, context and mtp fixtures, `replay_fixture`, and
+    the others on first use."""
+    built: dict[str, fixtures.FixtureSet] = {"replay": replay_fixture}
+
+    def get(kind: fixtures.FixtureKind) -> fixtures.FixtureSet:
+        if kind == "last-token":
+            return audit_ctx.fixture
+        if kind == "context":
+            return audit_ctx.context_fixture
+        if kind == "mtp":
+            return audit_ctx.mtp_fixture
+        if kind not in built:
+            built[kind] = fixtures.build(tmp_path_factory.mktemp(f"fixture-{kind}"), kind=kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_servers(
+    audit_ctx: audit.AuditContext, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedServers]:
+    """Fixture servers for any binaries, fixture and path, and Gemma speculating on any
+    binaries, each configuration started once (tests/shared_servers.py)."""
+    with contextlib.ExitStack() as stack:
+        yield SharedServers(audit_ctx, stack, tmp_path_factory.mktemp("shared-servers"))
+
+
+@pytest.fixture(scope="session")
+def dist_section(audit_ctx: audit.AuditContext) -> audit.Section:
+    """The audit's dist section, run once: every path of the session's llama fixture servers
+    and the MTP paths, 1000 seeds each (`audit.sections.dist`). Its results are the 1000-seed
+    results of those servers for every test (`dist_result`): sampling them again gave the same
+    samples, seed for seed, at the cost of another 1000 requests."""
+    from specaudit.audit.sections import dist
+
+    return dist.section(audit_ctx)
+
+
+_DIST_KEYS = {"fixture": "dist", "fixture-context": "dist_context", "fixture-mtp": "dist_mtp"}
+
+
+@pytest.fixture(scope="session")
+def dist_result(dist_section: audit.Section) -> Callable[[str, str], distribution.EngineResult]:
+    """``dist_result("fixture-context", "rejection")`` -> the dist section's result of the
+    session's server of that model (`presets.MODELS`: fixture, fixture-context, fixture-mtp)
+    and path: `distribution.measure` of a `distribution.ServerEngine` on it, seeds 1..1000,
+    the fixture's default workload, the default alpha and tolerance."""
+
+    def get(model: str, path: str) -> distribution.EngineResult:
+        res = dist_section.data[_DIST_KEYS[model]]
+        (e,) = [e for e in res.engines if e.path == path]
+        return e
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fixture_spec_b(audit_ctx: audit.AuditContext, llama_bins: LlamaBinaries) -> Iterator[str]:
+    """A second "fixture-spec" process (its URL): the second speculating deployment of the
+    LiteLLM tests' model groups, which none of them stops."""
+    with extra_server(audit_ctx, llama_bins, "fixture-spec", "fixture-spec-b") as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="session")

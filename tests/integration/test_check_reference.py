@@ -9,15 +9,15 @@ is real but wrong, a finding; the stock speculating server keeps its placeholder
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import check, llama
 from specaudit.check.with_reference import FidelityCheckError
-from specaudit.llama import presets
 from specaudit.llama.patches import resolve
-from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
 
 FIXTURE: dict[str, Any] = {
@@ -57,20 +57,13 @@ def test_stock_fixture_placeholders_are_classified(server: Callable[..., Any]) -
     assert res.verdict == "placeholders" and res.outcome is Outcome.FINDING
 
 
-def _mutant_gemma(gemma: Any) -> LlamaServer:
-    bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
-    return presets.for_preset(presets.PRESETS["gemma-spec"], bins, gemma, gemma)
-
-
 def test_a_logprob_mutant_is_real_but_wrong_on_the_fixture(
-    server: Callable[..., Any], fixture_set: Any
+    server: Callable[..., Any], fixture_set: Any, shared_servers: SharedServers
 ) -> None:
-    from specaudit import distribution
-
     bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
-    with distribution.spawn_server(bins, fixture_set, draft=True) as srv:
-        plain_check = check.run(srv.url, endpoint="native", probe_switch=False, **FIXTURE)
-        res = _check(srv.url, server("fixture-plain").url, FIXTURE)
+    srv = shared_servers.fixture(bins, fixture_set, "greedy")
+    plain_check = check.run(srv.url, endpoint="native", probe_switch=False, **FIXTURE)
+    res = _check(srv.url, server("fixture-plain").url, FIXTURE)
     assert plain_check.verdict == "real"  # what check alone says
     f = res.fidelity
     assert f is not None
@@ -79,7 +72,7 @@ def test_a_logprob_mutant_is_real_but_wrong_on_the_fixture(
 
 
 def test_gemma_patched_is_correct_and_a_logprob_mutant_is_wrong(
-    server: Callable[..., Any], gemma_path: Any
+    server: Callable[..., Any], gemma_path: Path, shared_servers: SharedServers
 ) -> None:
     ref = server("gemma-plain").url
     good = _check(server("gemma-spec-patched").url, ref, GEMMA)
@@ -88,8 +81,8 @@ def test_gemma_patched_is_correct_and_a_logprob_mutant_is_wrong(
         good.fidelity.by_kind,
         good.fidelity.worst,
     )
-    with _mutant_gemma(gemma_path) as srv:
-        bad = _check(srv.url, ref, GEMMA)
+    bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
+    bad = _check(shared_servers.gemma_spec(bins, gemma_path, "greedy").url, ref, GEMMA)
     assert bad.fidelity is not None and bad.fidelity.counts.real_wrong > 0
     assert bad.verdict == "real but wrong"
 

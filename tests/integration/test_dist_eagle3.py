@@ -5,37 +5,50 @@ The fixture's EAGLE3 head (`fixtures.eagle3_draft`, arch eagle3, ``target_layers
 is handed the target's hidden states, proposes greedily and is verified by sample-and-match,
 so every sample must equal the plain server's for its seed, token for token, and the verdict
 must be PRESERVED while the head drafts.
+
+The servers are the session's "fixture-eagle3" (one slot: `presets.for_preset`) and
+"fixture-plain"; the EAGLE3 server's 1000 samples are drawn once, one request at a time, for
+both tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
+
+import pytest
 
 from specaudit import distribution, fixtures
+from specaudit.audit import AuditContext
 from specaudit.distribution.truth import encode_text
 from specaudit.fixtures.truth import eagle3_greedy_draft
-from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
 
 
 def _collect(
-    bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str, log_dir: Path
+    url: str, fs: fixtures.FixtureSet, label: str, concurrency: int | None = None
 ) -> list[distribution.Sample]:
     wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
-        eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=path, kind=path)
-        return distribution.collect(eng, SEEDS)
+    eng = distribution.ServerEngine(
+        url, fs.spec, wl, label=label, kind=label, concurrency=concurrency
+    )
+    return distribution.collect(eng, SEEDS)
+
+
+@pytest.fixture(scope="module")
+def eagle3_samples(audit_ctx: AuditContext) -> list[distribution.Sample]:
+    """The EAGLE3 server's samples, seeds 1..1000, one request at a time."""
+    srv = audit_ctx.server("fixture-eagle3")
+    assert srv.parallel == 1
+    return _collect(srv.url, audit_ctx.fixture, "eagle3", concurrency=1)
 
 
 def test_eagle3_head_drafts_and_keeps_the_distribution(
-    llama_bins: LlamaBinaries, tmp_path: Path
+    audit_ctx: AuditContext, eagle3_samples: list[distribution.Sample]
 ) -> None:
-    fs = fixtures.build(tmp_path / "fixture")
-    samples = _collect(llama_bins, fs, "eagle3", tmp_path)
-    log = (tmp_path / "dist-eagle3.log").read_text(errors="replace")
+    fs, samples = audit_ctx.fixture, eagle3_samples
+    log = audit_ctx.server("fixture-eagle3").log_path.read_text(errors="replace")
     assert "--spec-type draft-eagle3" in log and fixtures.EAGLE3_FILE in log
     wl = distribution.make_workload(fs.spec)
     coded = [replace(s, text=encode_text(s.text, wl.tokens, fs.spec)) for s in samples]
@@ -46,7 +59,7 @@ def test_eagle3_head_drafts_and_keeps_the_distribution(
     assert e.drafted is not None and e.drafted > len(SEEDS)
     assert e.accepted is not None and 0 < e.accepted < e.drafted
     # sample-and-match: the target's own draw at every position, as without a draft
-    plain = _collect(llama_bins, fs, "plain", tmp_path)
+    plain = _collect(audit_ctx.server("fixture-plain").url, fs, "plain")
     assert [s.text for s in samples] == [s.text for s in plain]
     # one slot (several abort now and then in b11434): every sample's counts are the closed form's
     strays = sum(_counts(fs, s) != (s.drafted, s.accepted) for s in samples)
@@ -59,17 +72,13 @@ def _counts(fs: fixtures.FixtureSet, s: distribution.Sample) -> tuple[int, int]:
 
 
 def test_one_slot_eagle3_drafts_exactly_the_closed_form(
-    llama_bins: LlamaBinaries, tmp_path: Path
+    audit_ctx: AuditContext, eagle3_samples: list[distribution.Sample]
 ) -> None:
     """On one slot, one request at a time, every sample's drafted/accepted counts are what
     the head's closed-form greedy drafts give (it is handed the hidden state of the token
     before the one it is fed). With four slots and concurrent requests b11434 strays from it
     on a few samples (measured 1-6 of 1000): EAGLE3 draft state that depends on the other
     slots. Draft-side only: the samples stay the plain server's."""
-    fs = fixtures.build(tmp_path / "fixture")
-    wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(llama_bins, fs, path="eagle3", parallel=1) as srv:
-        eng = distribution.ServerEngine(srv.url, fs.spec, wl, label="e", kind="e", concurrency=1)
-        samples = distribution.collect(eng, SEEDS)
+    fs, samples = audit_ctx.fixture, eagle3_samples
     assert sum(s.drafted or 0 for s in samples) > len(SEEDS)
     assert [s for s in samples if _counts(fs, s) != (s.drafted, s.accepted)] == []

@@ -15,12 +15,12 @@ import pytest
 
 from specaudit import audit, distribution, fixtures
 from specaudit.audit import runner
-from specaudit.audit.sections import dist as dist_section
 from specaudit.distribution.coverage import kind_paths
 from specaudit.llama.build import LlamaBinaries
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
+DistResultFn = Callable[[str, str], distribution.EngineResult]
 SERVER_SEEDS = range(1, 1001)  # the report's 1000 seeds
 EXAMPLE_SEEDS = range(1, 301)  # the example's bias is gross: 300 runs are plenty
 
@@ -38,11 +38,12 @@ def _example_result(bins: LlamaBinaries, fs: fixtures.FixtureSet) -> distributio
 
 
 # --------------------------------------------------------------------------------------------
-# the default fixture (the report's): session servers from conftest
+# the default fixture (the report's): session servers from conftest, their 1000-seed results
+# the audit's dist section's (`dist_result`)
 
 
-def test_server_without_draft_preserves(server: Callable, fixture_set: fixtures.FixtureSet) -> None:
-    res = _server_result(server("fixture-plain").url, fixture_set, "server-plain")
+def test_server_without_draft_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture", "plain")
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.n_samples == 1000
     assert res.drafted is None  # no draft, no draft counts
@@ -51,18 +52,17 @@ def test_server_without_draft_preserves(server: Callable, fixture_set: fixtures.
     assert after_f["g"].expected == pytest.approx(0.452, abs=1e-6)
 
 
-def test_server_with_draft_preserves(server: Callable, fixture_set: fixtures.FixtureSet) -> None:
-    res = _server_result(server("fixture-spec").url, fixture_set, "server-spec")
+def test_server_with_draft_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture", "greedy")
     assert res.verdict is Verdict.PRESERVED, res.reason
     # speculation really happened: the server drafted and accepted tokens
     assert res.drafted is not None and res.drafted > 1000
     assert res.accepted is not None and 0 < res.accepted < res.drafted
 
 
-def test_speculative_example_is_broken(
-    llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet
-) -> None:
-    res = _example_result(llama_bins, fixture_set)
+def test_speculative_example_is_broken(dist_section: audit.Section) -> None:
+    # llama-speculative on seeds 1..1000: the audit's dist section's run (300 were plenty)
+    (res,) = [e for e in dist_section.data["dist"].engines if e.kind == "speculative-example"]
     assert res.verdict is Verdict.BROKEN, res.reason
     pos2 = next(t for t in res.tests if t.name == "position 2")
     assert pos2.rejected and pos2.gof.p_value < 1e-10
@@ -104,12 +104,12 @@ def test_cli_url_engine_json_and_plot(
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_audit_section(audit_ctx: audit.AuditContext) -> None:
+def test_audit_section(audit_ctx: audit.AuditContext, dist_section: audit.Section) -> None:
     """Both fixtures on every path (plain, greedy, rejection, ngram), llama-speculative, and
     the mtp fixture on the MTP paths: stock llama-server PRESERVED on every path at the
     default 1000 seeds; every speculating path really drafted (the MTP ones with the fixture's
     own MTP layer); the example BROKEN; the paths no fixture covers listed."""
-    sec = dist_section.section(audit_ctx)
+    sec = dist_section
     for key in ("dist", "dist_context"):  # last-token, context
         res = sec.data[key]
         servers = [e for e in res.engines if e.path is not None]

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import distribution, fixtures, llama
 from specaudit.distribution.truth import encode_text
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
+from specaudit.llama.server import LlamaServer
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
@@ -45,21 +48,23 @@ def _progress(pct: float, msg: str) -> None:
 
 @pytest.fixture(scope="module", params=["mtp", "mtp-context"])
 def mtp_fixture(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+    fixture_of_kind: Callable[[fixtures.FixtureKind], fixtures.FixtureSet],
+    request: pytest.FixtureRequest,
 ) -> fixtures.FixtureSet:
     """Both MTP fixtures: the last-token trunk, and the context fixture's attention on it
     (target and draft see the whole context: a verified row at the wrong position, a stale or
     missing KV entry of the target, or a hidden state from the wrong context changes them)."""
-    return fixtures.build(tmp_path_factory.mktemp(request.param), kind=request.param)
+    fs = fixture_of_kind(request.param)
+    assert fs.spec.kind == request.param
+    return fs
 
 
 def _collect(
-    bins: LlamaBinaries, fs: fixtures.FixtureSet, path: str, seeds: range
+    srv: LlamaServer, fs: fixtures.FixtureSet, path: str, seeds: range
 ) -> list[distribution.Sample]:
     wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(bins, fs, path=path) as srv:
-        eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=path, kind=path)
-        return distribution.collect(eng, seeds)
+    eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=path, kind=path)
+    return distribution.collect(eng, seeds)
 
 
 def _analyze(
@@ -84,44 +89,46 @@ def _count_mismatches(fs: fixtures.FixtureSet, samples: list[distribution.Sample
 
 @pytest.fixture(scope="module")
 def stock_greedy(
-    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet
+    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> list[distribution.Sample]:
-    return _collect(llama_bins, mtp_fixture, "mtp", SEEDS)
+    return _collect(
+        shared_servers.fixture(llama_bins, mtp_fixture, "mtp"), mtp_fixture, "mtp", SEEDS
+    )
 
 
 def test_the_mtp_fixture_loads_and_drafts_with_its_own_mtp_layer(
-    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, tmp_path: Path
+    llama_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """No -md: llama-server says it builds the MTP context on the target, drafts, and the
     target's probabilities at every position are the closed form."""
     spec = mtp_fixture.spec
     drafted = 0
     worst = 0.0
-    with distribution.spawn_server(llama_bins, mtp_fixture, path="mtp", log_dir=tmp_path) as srv:
-        assert "-md" not in srv.argv() and "draft-mtp" in srv.argv()
-        for seed in range(1, 6):
-            body = {
-                "prompt": spec.prompt,
-                "n_predict": 4,
-                "n_probs": len(spec.tokens),
-                "seed": seed,
-                **fixtures.REPORT_SAMPLER.request_fields(),
-            }
-            r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
-            drafted += r["timings"].get("draft_n", 0)
-            first = r["completion_probabilities"][0]  # sampled from the prompt's logits
-            expected = fixtures.raw_distribution(spec, spec.prompt)
-            got = {c["token"]: math.exp(c["logprob"]) for c in first["top_logprobs"]}
-            for letter in spec.letters:
-                worst = max(worst, abs(got[letter] - expected[letter]))
-    log = (tmp_path / "dist-mtp.log").read_text(errors="replace")
+    srv = shared_servers.fixture(llama_bins, mtp_fixture, "mtp")
+    assert "-md" not in srv.argv() and "draft-mtp" in srv.argv()
+    for seed in range(1, 6):
+        body = {
+            "prompt": spec.prompt,
+            "n_predict": 4,
+            "n_probs": len(spec.tokens),
+            "seed": seed,
+            **fixtures.REPORT_SAMPLER.request_fields(),
+        }
+        r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
+        drafted += r["timings"].get("draft_n", 0)
+        first = r["completion_probabilities"][0]  # sampled from the prompt's logits
+        expected = fixtures.raw_distribution(spec, spec.prompt)
+        got = {c["token"]: math.exp(c["logprob"]) for c in first["top_logprobs"]}
+        for letter in spec.letters:
+            worst = max(worst, abs(got[letter] - expected[letter]))
+    log = srv.log_path.read_text(errors="replace")
     assert "creating MTP draft context against the target model" in log
     assert drafted > 0
     assert worst < 1e-6
 
 
 def test_patched_mtp_server_reports_the_closed_form_at_every_position(
-    patched_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet
+    patched_bins: LlamaBinaries, mtp_fixture: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """With spec-logprobs every token, drafted and verified in a batch or not, reports the
     target's closed-form distribution after its own prefix: the rows the MTP path verifies
@@ -129,24 +136,24 @@ def test_patched_mtp_server_reports_the_closed_form_at_every_position(
     at a wrong position or over a stale KV entry would differ)."""
     spec = mtp_fixture.spec
     worst, compared, drafted = 0.0, 0, 0
-    with distribution.spawn_server(patched_bins, mtp_fixture, path="mtp") as srv:
-        for seed in range(1, 9):
-            body = {
-                "prompt": spec.prompt,
-                "n_predict": 12,
-                "n_probs": len(spec.tokens),
-                "seed": seed,
-                **fixtures.REPORT_SAMPLER.request_fields(),
-            }
-            r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
-            drafted += r["timings"].get("draft_n", 0)
-            text = spec.prompt
-            for tok in r["completion_probabilities"]:
-                expected = fixtures.raw_distribution(spec, text)
-                got = {c["token"]: math.exp(c["logprob"]) for c in tok["top_logprobs"]}
-                worst = max(worst, *(abs(got[x] - expected[x]) for x in spec.letters))
-                compared += 1
-                text += tok["token"]
+    srv = shared_servers.fixture(patched_bins, mtp_fixture, "mtp")
+    for seed in range(1, 9):
+        body = {
+            "prompt": spec.prompt,
+            "n_predict": 12,
+            "n_probs": len(spec.tokens),
+            "seed": seed,
+            **fixtures.REPORT_SAMPLER.request_fields(),
+        }
+        r = httpx.post(f"{srv.url}/completion", json=body, timeout=60).json()
+        drafted += r["timings"].get("draft_n", 0)
+        text = spec.prompt
+        for tok in r["completion_probabilities"]:
+            expected = fixtures.raw_distribution(spec, text)
+            got = {c["token"]: math.exp(c["logprob"]) for c in tok["top_logprobs"]}
+            worst = max(worst, *(abs(got[x] - expected[x]) for x in spec.letters))
+            compared += 1
+            text += tok["token"]
     print(f"\n{spec.kind}: {compared} tokens, {drafted} drafted, largest error {worst:.2e}")
     assert compared == 8 * 12 and drafted > 0
     assert worst < 1e-5
@@ -176,11 +183,13 @@ def test_dist_keeps_the_distribution_on_both_mtp_paths(
 def test_greedy_mtp_drafts_exactly_what_the_closed_form_predicts(
     llama_bins: LlamaBinaries,
     mtp_fixture: fixtures.FixtureSet,
+    shared_servers: SharedServers,
     stock_greedy: list[distribution.Sample],
 ) -> None:
     """Sample-and-match emits the target's own draw at each position: every sample equals
     the plain server's for its seed, and each sample's counts are the closed form's."""
-    plain = _collect(llama_bins, mtp_fixture, "plain", SEEDS)
+    plain_server = shared_servers.fixture(llama_bins, mtp_fixture, "plain")
+    plain = _collect(plain_server, mtp_fixture, "plain", SEEDS)
     assert [s.text for s in stock_greedy] == [s.text for s in plain]
     assert _count_mismatches(mtp_fixture, stock_greedy) == 0
     assert sum(s.drafted or 0 for s in stock_greedy) > len(SEEDS)
@@ -191,7 +200,7 @@ def _measure_mutant(
 ) -> distribution.EngineResult:
     bins = llama.ensure(patches=(resolve(mutant),), progress=_progress)
     wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(bins, fs, path=path) as srv:
+    with distribution.spawn_server(bins, fs, path=path) as srv:  # one test's: stopped here
         eng = distribution.ServerEngine(srv.url, fs.spec, wl, label=mutant, kind=path)
         if sequential:
             return distribution.measure(eng, fs.spec, wl, seeds, alpha=1e-3, sequential=True)
@@ -221,7 +230,8 @@ def test_hidden_row_mutant_keeps_the_distribution_but_not_the_counts(
     only proposals), caught by the closed-form counts: after a partial acceptance the head
     drafts from a rejected token's hidden state."""
     bins = llama.ensure(patches=(resolve("mutants/mtp-hidden-row"),), progress=_progress)
-    samples = _collect(bins, mtp_fixture, "mtp", SEEDS)
+    with distribution.spawn_server(bins, mtp_fixture, path="mtp") as srv:  # this test's alone
+        samples = _collect(srv, mtp_fixture, "mtp", SEEDS)
     assert [s.text for s in samples] == [s.text for s in stock_greedy]
     assert _analyze(mtp_fixture, samples, "mtp").verdict is Verdict.PRESERVED
     wrong = _count_mismatches(mtp_fixture, samples)

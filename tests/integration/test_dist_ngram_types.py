@@ -63,17 +63,19 @@ def measured(
 ) -> Measured:
     """(fixture, the plain server's samples, each n-gram type's samples), seeds 1..1000.
 
-    Servers of this module's own, fresh (the session's would carry other tests' per-slot
-    drafter state), one at a time, each stopped once sampled.
+    The plain server is the session's; the n-gram servers this module's own, fresh (the
+    session's would carry other tests' per-slot drafter state), one at a time, each stopped
+    once sampled.
     """
     fs = audit_ctx.fixture if request.param == "last-token" else audit_ctx.context_fixture
     assert fs.spec.kind == request.param
     logs = tmp_path_factory.mktemp(f"dist-ngram-{request.param}")
+    model = "fixture" if request.param == "last-token" else "fixture-context"
+    plain = _samples(audit_ctx.server(presets.fixture_role(model, "plain")).url, fs, "plain")
     got: dict[str, list[distribution.Sample]] = {}
-    for path in ("plain", *NGRAM_TYPES):
+    for path in NGRAM_TYPES:
         with distribution.spawn_server(llama_bins, fs, path=path, log_dir=logs) as srv:
             got[path] = _samples(srv.url, fs, path)
-    plain = got.pop("plain")
     return fs, plain, got
 
 

@@ -15,7 +15,7 @@ SEEDS = range(1, 1001)
 
 
 def test_openai_engine_agrees_with_native(
-    server: Callable, fixture_set: fixtures.FixtureSet
+    server: Callable, dist_result: Callable, fixture_set: fixtures.FixtureSet
 ) -> None:
     url = server("fixture-spec").url
     spec = fixture_set.spec
@@ -24,7 +24,9 @@ def test_openai_engine_agrees_with_native(
     oai = distribution.OpenAIEngine(url, spec, wl)
     assert oai.model.endswith(fixtures.TARGET_FILE)  # /v1/models named the fixture
     assert [s.text for s in distribution.collect(oai, range(1, 201))] == [s.text for s in native]
-    res_native = distribution.measure(distribution.ServerEngine(url, spec, wl), spec, wl, SEEDS)
+    # the native engine's result on this server and these seeds: the audit's dist section's
+    res_native = dist_result("fixture", "greedy")
+    assert res_native.n_samples == len(SEEDS)
     res_oai = distribution.measure(distribution.OpenAIEngine(url, spec, wl), spec, wl, SEEDS)
     assert res_native.verdict is Verdict.PRESERVED, res_native.reason
     assert res_oai.verdict is res_native.verdict, res_oai.reason

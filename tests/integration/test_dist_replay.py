@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
+from shared_servers import SharedServers
 from specaudit import distribution, fixtures, llama
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
@@ -53,53 +53,48 @@ def _complete(url: str, spec: fixtures.FixtureSpec, seed: int, n_probs: int = 0)
 
 
 def test_the_mamba_target_serves_the_closed_form(
-    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet
+    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """The plain server on the Mamba target reports the last-token closed form at every
     position (first and later, five seeds)."""
     spec = replay_fixture.spec
     worst, checked = 0.0, 0
-    with distribution.spawn_server(llama_bins, replay_fixture, path="plain") as srv:
-        for seed in range(1, 6):
-            generated = ""
-            for entry in _complete(srv.url, spec, seed, len(spec.tokens))[
-                "completion_probabilities"
-            ]:
-                expected = fixtures.raw_distribution(spec, spec.prompt + generated)
-                got = {c["token"]: math.exp(c["logprob"]) for c in entry["top_logprobs"]}
-                for letter in spec.letters:
-                    worst = max(worst, abs(got.get(letter, 0.0) - expected[letter]))
-                checked += 1
-                generated += entry["token"]
+    srv = shared_servers.fixture(llama_bins, replay_fixture, "plain")
+    for seed in range(1, 6):
+        generated = ""
+        for entry in _complete(srv.url, spec, seed, len(spec.tokens))["completion_probabilities"]:
+            expected = fixtures.raw_distribution(spec, spec.prompt + generated)
+            got = {c["token"]: math.exp(c["logprob"]) for c in entry["top_logprobs"]}
+            for letter in spec.letters:
+                worst = max(worst, abs(got.get(letter, 0.0) - expected[letter]))
+            checked += 1
+            generated += entry["token"]
     assert checked == 20
     assert worst < 1e-6
 
 
 def test_greedy_replay_restores_and_returns_the_plain_servers_samples(
-    llama_bins: LlamaBinaries,
-    replay_fixture: fixtures.FixtureSet,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """The server drafts, restores its checkpoint on partial acceptances (the trace line), and
     sample-and-match still emits the target's own draw at each position: every sample is the
     plain server's for its seed."""
-    monkeypatch.setenv("LLAMA_TRACE", "1")
     spec = replay_fixture.spec
     seeds = range(1, 41)
-    with distribution.spawn_server(llama_bins, replay_fixture, path="plain") as srv:
-        plain = [_complete(srv.url, spec, s)["content"] for s in seeds]
+    plain_srv = shared_servers.fixture(llama_bins, replay_fixture, "plain")
+    plain = [_complete(plain_srv.url, spec, s)["content"] for s in seeds]
     drafted = accepted = 0
-    with distribution.spawn_server(
-        llama_bins, replay_fixture, path="replay", log_dir=tmp_path
-    ) as srv:
-        replay = []
-        for s in seeds:
-            r = _complete(srv.url, spec, s)
-            replay.append(r["content"])
-            drafted += r["timings"].get("draft_n", 0)
-            accepted += r["timings"].get("draft_n_accepted", 0)
-    restores = RESTORE.findall((tmp_path / "dist-replay.log").read_text(errors="replace"))
+    srv = shared_servers.fixture(llama_bins, replay_fixture, "replay", env={"LLAMA_TRACE": "1"})
+    logged = srv.log_path.stat().st_size  # what this test's requests add is counted
+    replay = []
+    for s in seeds:
+        r = _complete(srv.url, spec, s)
+        replay.append(r["content"])
+        drafted += r["timings"].get("draft_n", 0)
+        accepted += r["timings"].get("draft_n_accepted", 0)
+    with srv.log_path.open("rb") as f:
+        f.seek(logged)
+        restores = RESTORE.findall(f.read().decode(errors="replace"))
     print(f"\nreplay, seeds 1..{seeds[-1]}: {drafted} drafted, {accepted} accepted, "
           f"{len(restores)} checkpoint restores")  # fmt: skip
     assert replay == plain

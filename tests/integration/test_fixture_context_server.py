@@ -2,23 +2,26 @@
 next-token distribution depends on the whole context (and positions) agrees with the plain
 server's reported probabilities, and speculation keeps its sampling distribution.
 
-Each server is started once for this module (module-scoped fixtures, `distribution.spawn_server`,
-which sizes context-fixture servers by presets' "fixture-context" policy).
+The servers are the session's context-fixture roles (conftest: "fixture-context-plain",
+"-spec", "-spec-rejection", sized by presets' "fixture-context" policy), the fixture the
+session's context fixture; their results at the report's 1000 seeds are the audit's dist
+section's, run once for the session (conftest's `dist_result`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
 
 from specaudit import distribution, fixtures
-from specaudit.llama.build import LlamaBinaries
+from specaudit.audit import AuditContext
 from specaudit.stats import Verdict
 
-SEEDS = range(1, 1001)
+DistResultFn = Callable[[str, str], distribution.EngineResult]
 # several contexts: the report's prompt, one letter, mixed, repeated, and a long one
 PROMPTS = ("bcdbc", "a", "hgfeab", "ddddddd", "abcdefgh" * 6 + "b")
 N_PREDICT = 6  # positions 1..6 after each prompt
@@ -26,22 +29,18 @@ OTHER_SAMPLER = fixtures.SamplerSettings(top_k=0, top_p=0.9, min_p=0.05, tempera
 
 
 @pytest.fixture(scope="module")
-def ctx_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    fs = fixtures.build(tmp_path_factory.mktemp("fixture-context"), kind="context")
+def ctx_fixture(audit_ctx: AuditContext) -> fixtures.FixtureSet:
+    fs = audit_ctx.context_fixture
+    assert fs.spec.kind == "context"
     return fixtures.load(fs.dir)  # through the SHA-checking loader, as the CLI does
 
 
 @pytest.fixture(scope="module")
-def plain_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with distribution.spawn_server(llama_bins, ctx_fixture, draft=False) as srv:
-        assert srv.argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
-        yield srv.url
-
-
-@pytest.fixture(scope="module")
-def spec_url(llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet) -> Iterator[str]:
-    with distribution.spawn_server(llama_bins, ctx_fixture, draft=True) as srv:
-        yield srv.url
+def plain_url(audit_ctx: AuditContext, server: Callable[[str], Any]) -> str:
+    handle = server("fixture-context-plain")
+    if not handle.external:  # the f32 KV cache the closed form needs (presets.POLICIES)
+        assert audit_ctx.server(handle.name).argv()[-4:] == ["-ctk", "f32", "-ctv", "f32"]
+    return str(handle.url)
 
 
 def _probs(
@@ -119,21 +118,18 @@ def test_the_server_sees_the_context(plain_url: str, ctx_fixture: fixtures.Fixtu
     assert tv >= 0.2
 
 
-def _measure(url: str, fs: fixtures.FixtureSet, kind: str) -> distribution.EngineResult:
-    wl = distribution.make_workload(fs.spec)
-    eng = distribution.ServerEngine(url, fs.spec, wl, label=kind, kind=kind)
-    return distribution.measure(eng, fs.spec, wl, SEEDS)
+# the 1000-seed results of the session's servers: the audit's dist section's (`dist_result`)
 
 
-def test_plain_server_preserves(plain_url: str, ctx_fixture: fixtures.FixtureSet) -> None:
-    res = _measure(plain_url, ctx_fixture, "server-plain")
+def test_plain_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "plain")
     print(res.reason)
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.n_samples == 1000 and res.drafted is None
 
 
-def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet) -> None:
-    res = _measure(spec_url, ctx_fixture, "server-spec")
+def test_draft_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "greedy")
     print(res.reason, res.drafted, res.accepted)
     assert res.verdict is Verdict.PRESERVED, res.reason
     # speculation happened, and drafts were rejected as well as accepted
@@ -141,12 +137,8 @@ def test_draft_server_preserves(spec_url: str, ctx_fixture: fixtures.FixtureSet)
     assert res.accepted is not None and 0 < res.accepted < res.drafted
 
 
-def test_probabilistic_draft_server_preserves(
-    llama_bins: LlamaBinaries, ctx_fixture: fixtures.FixtureSet
-) -> None:
-    spawn = distribution.spawn_server
-    with spawn(llama_bins, ctx_fixture, draft=True, draft_sampling="probabilistic") as srv:
-        res = _measure(srv.url, ctx_fixture, "server-spec-probabilistic")
+def test_probabilistic_draft_server_preserves(dist_result: DistResultFn) -> None:
+    res = dist_result("fixture-context", "rejection")
     print(res.reason, res.drafted, res.accepted)
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert res.drafted is not None and res.accepted is not None and 0 < res.accepted < res.drafted

@@ -6,9 +6,9 @@ classified against the reference's answer for its exact prefix
 (`reference.ServerReference`), within the tolerance measured from the reference's own
 spread on the same sampler settings (`with_reference.measure_floor`: batch sizes 1, 2, 4 and
 the last 1-16 tokens as one batch on a cached prefix), and every wrong call confirmed against
-the spread at its own prefix (`with_reference.confirm_wrong`). One reference server serves the
-module;
-each mutant is its own build (an incremental rebuild) served once.
+the spread at its own prefix (`with_reference.confirm_wrong`). The reference and the greedy
+spec-logprobs control are the session's servers; each mutant is its own build (an incremental
+rebuild) served once (`shared_servers`: lp-no-temperature's is test_check_reference's too).
 
 Each mutant runs where its bug shows on this model (docs/mutants.md, "Logprob mutants"; the
 settings in `WORKLOADS`), next to the spec-logprobs build on the same settings and path as the
@@ -44,14 +44,13 @@ from typing import Any
 
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import check, llama
 from specaudit.check import fidelity, fidelity_probe, with_reference
 from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.fixtures import SamplerSettings
-from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
-from specaudit.llama.server import LlamaServer
 from specaudit.reference import ServerReference
 from specaudit.report import md_table
 
@@ -156,13 +155,6 @@ def table() -> Iterator[list[list[str]]]:
         print("\n" + md_table(HEADERS, rows), file=sys.stderr)
 
 
-def _serve(bins: LlamaBinaries, gemma: Path, draft_sampling: str) -> LlamaServer:
-    preset = presets.Preset(
-        f"gemma-spec-{draft_sampling}", "gemma", True, draft_sampling=draft_sampling
-    )
-    return presets.for_preset(preset, bins, gemma, gemma)
-
-
 def _probe(url: str, m: Measured, w: Workload) -> FidelityRun:
     """Every /completion kind on `url`, classified; a wrong call is confirmed against the
     reference's spread at its own prefix (`with_reference.confirm_wrong`), as `check
@@ -213,18 +205,24 @@ def _row(build: str, w: Workload, run: FidelityRun) -> list[str]:
 
 @pytest.fixture(scope="module")
 def controls(
+    server: Callable[[str], Any],
+    shared_servers: SharedServers,
     patched_bins: LlamaBinaries,
     gemma_path: Path,
     measured: Callable[[Workload], Measured],
     table: list[list[str]],
 ) -> Callable[[Workload], FidelityRun]:
-    """spec-logprobs on a workload's settings and path, run once per workload."""
+    """spec-logprobs on a workload's settings and path, run once per workload: the session's
+    "gemma-spec-patched" (greedy drafts), or the same build drafting probabilistically."""
     cache: dict[str, FidelityRun] = {}
 
     def get(w: Workload) -> FidelityRun:
         if w.name not in cache:
-            with _serve(patched_bins, gemma_path, w.draft_sampling) as srv:
-                cache[w.name] = _probe(srv.url, measured(w), w)
+            if w.draft_sampling == "greedy":
+                url = str(server("gemma-spec-patched").url)
+            else:
+                url = shared_servers.gemma_spec(patched_bins, gemma_path, w.draft_sampling).url
+            cache[w.name] = _probe(url, measured(w), w)
             table.append(_row("spec-logprobs", w, cache[w.name]))
         return cache[w.name]
 
@@ -249,6 +247,7 @@ def test_stock_speculative_tokens_are_placeholders_on_gemma(
 def test_fidelity_catches_a_logprob_mutant_on_gemma_that_check_calls_real(
     mutant: str,
     gemma_path: Path,
+    shared_servers: SharedServers,
     measured: Callable[[Workload], Measured],
     controls: Callable[[Workload], FidelityRun],
     table: list[list[str]],
@@ -264,12 +263,12 @@ def test_fidelity_catches_a_logprob_mutant_on_gemma_that_check_calls_real(
 
     bins = llama.ensure(patches=(resolve(f"mutants/{mutant}"),), progress=_progress)
     assert bins.variant.startswith(f"mutant-{mutant}-")
-    with _serve(bins, gemma_path, w.draft_sampling) as srv:
-        run = _probe(srv.url, measured(w), w)
-        verdict = check.run(
-            srv.url, prompt=PROMPT, tokens=TOKENS, top_k=w.n_probs,
-            temperature=w.sampler.temperature, endpoint="native", probe_switch=False,
-        )  # fmt: skip
+    srv = shared_servers.gemma_spec(bins, gemma_path, w.draft_sampling)
+    run = _probe(srv.url, measured(w), w)
+    verdict = check.run(
+        srv.url, prompt=PROMPT, tokens=TOKENS, top_k=w.n_probs,
+        temperature=w.sampler.temperature, endpoint="native", probe_switch=False,
+    )  # fmt: skip
     table.append(_row(mutant, w, run))
     # check: every token real, no placeholder anywhere
     assert verdict.verdict == "real" and verdict.placeholders == 0, verdict.reason

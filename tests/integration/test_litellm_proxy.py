@@ -105,16 +105,16 @@ def test_litellm_proxy_process(
     server: Callable[..., Any],
     audit_ctx: audit.AuditContext,
     llama_bins: LlamaBinaries,
+    fixture_spec_b: str,
     tmp_path: Path,
     cli: CliFn,
 ) -> None:
     plain_a, spec_a = server("fixture-plain").url, server("fixture-spec").url
     with (
         extra_server(audit_ctx, llama_bins, "fixture-plain", "litellm-proxy-plain-b") as pb,
-        extra_server(audit_ctx, llama_bins, "fixture-spec", "litellm-proxy-spec-b") as sb,
         _probe(plain_a) as (probe, reads),
     ):
-        plain_b, spec_b = pb.url, sb.url
+        plain_b, spec_b = pb.url, fixture_spec_b
         plains, specs = {plain_a, plain_b}, {spec_a, spec_b}
         cfg = write_config(
             tmp_path / "config.yaml",

@@ -52,9 +52,8 @@ def handler() -> Iterator[SpecauditRouting]:
 
 
 @pytest.fixture(scope="module")
-def spec_b(audit_ctx: audit.AuditContext, llama_bins: LlamaBinaries) -> Iterator[str]:
-    with extra_server(audit_ctx, llama_bins, "fixture-spec", "litellm-spec-b") as srv:
-        yield srv.url
+def spec_b(fixture_spec_b: str) -> str:
+    return fixture_spec_b
 
 
 def _router(urls: list[str], group: str = "fx") -> Router:

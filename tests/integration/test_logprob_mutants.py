@@ -8,8 +8,10 @@ against the closed form (batch sizes 1, 2 and 4). Expected:
 - stock speculating server: its speculative tokens are PLACEHOLDER (MISSING when streamed);
 - spec-logprobs (greedy and rejection-sampling paths): every token REAL_CORRECT;
 - each logprob mutant (src/specaudit/patches/llama.cpp/b11434/mutants/lp-*.patch, docs/mutants.md),
-  built as its own cache entry (an incremental rebuild) and served once: REAL_WRONG tokens in
-  the mode it breaks and no other, while `specaudit.check` calls every one of its tokens real.
+  built as its own cache entry (an incremental rebuild) and served once (`shared_servers`:
+  lp-no-temperature's server is test_check_reference's and test_rescore_servers' too):
+  REAL_WRONG tokens in the mode it breaks and no other, while `specaudit.check` calls every one
+  of its tokens real.
 
 The sampler makes each bug visible: temperature 0.7 (lp-no-temperature), top-k 5 of 11 tokens
 with 3 candidates asked for (lp-topk-renorm; lp-pre-as-post: the raw softmax differs from the
@@ -24,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from specaudit import check, distribution, fixtures, llama
+from shared_servers import SharedServers
+from specaudit import check, fixtures, llama
 from specaudit.check import fidelity, fidelity_probe
 from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.llama.build import LlamaBinaries
@@ -45,7 +48,7 @@ BATCHES = (1, 2, 4)  # concurrent identical requests: the plain server's batch s
 MUTANTS: dict[str, tuple[str, set[str]]] = {
     "lp-neighbour-position": ("greedy", {"pre", "post"}),
     "lp-pre-as-post": ("greedy", {"post"}),
-    "lp-draft-probs": ("probabilistic", {"post"}),
+    "lp-draft-probs": ("rejection", {"post"}),
     "lp-no-temperature": ("greedy", {"post"}),
     "lp-topk-renorm": ("greedy", {"post"}),
 }
@@ -145,26 +148,28 @@ def test_spec_logprobs_tokens_are_real_and_correct(
 def test_spec_logprobs_tokens_are_real_and_correct_under_rejection_sampling(
     patched_bins: LlamaBinaries,
     fixture_set: fixtures.FixtureSet,
+    shared_servers: SharedServers,
     reference: fidelity.FixtureReference,
     floor: fidelity.NoiseFloor,
 ) -> None:
-    with distribution.spawn_server(patched_bins, fixture_set, path="rejection") as srv:
-        _assert_all_correct(_run(srv.url, reference, fidelity.tolerance(floor)))
+    srv = shared_servers.fixture(patched_bins, fixture_set, "rejection")
+    _assert_all_correct(_run(srv.url, reference, fidelity.tolerance(floor)))
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_fidelity_catches_a_logprob_mutant_that_check_calls_real(
     mutant: str,
     fixture_set: fixtures.FixtureSet,
+    shared_servers: SharedServers,
     reference: fidelity.FixtureReference,
     floor: fidelity.NoiseFloor,
 ) -> None:
     path, modes = MUTANTS[mutant]
     bins = llama.ensure(patches=(resolve(f"mutants/{mutant}"),), progress=_progress)
     assert bins.variant.startswith(f"mutant-{mutant}-")
-    with distribution.spawn_server(bins, fixture_set, draft=True, draft_sampling=path) as srv:
-        run = _run(srv.url, reference, fidelity.tolerance(floor))
-        verdict = check.run(srv.url, prompt=PROMPT, tokens=TOKENS, temperature=0.7)
+    srv = shared_servers.fixture(bins, fixture_set, path)
+    run = _run(srv.url, reference, fidelity.tolerance(floor))
+    verdict = check.run(srv.url, prompt=PROMPT, tokens=TOKENS, temperature=0.7)
     # check: every token real, no placeholder anywhere
     assert verdict.verdict == "real" and verdict.placeholders == 0, verdict.reason
     assert run.check_counts.placeholder == 0 and run.counts.placeholder == 0

@@ -7,14 +7,19 @@ the cached work tree, ~10-60 s cold; cached afterwards), must come out BROKEN un
 PRESERVED on the same path. One file per verification stage they break: the rejection
 sampler (common/sampling.cpp), the draft (common/speculative.cpp), the server's verification
 batch (tools/server/server-context.cpp). benchmarks/bench_mutants.py measures all of them.
+Stock runs on the session's servers, each mutant on one of `shared_servers` (argmax-proposal's
+is test_rescore_servers' too).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import distribution, fixtures, llama
 from specaudit.llama import sources
 from specaudit.llama.build import LlamaBinaries
@@ -31,29 +36,23 @@ def _progress(pct: float, msg: str) -> None:
 
 
 def _spec_server(
-    bins: LlamaBinaries,
+    url: str,
+    label: str,
     fs: fixtures.FixtureSet,
     seeds: range,
     *,
-    draft_sampling: str = "probabilistic",
     sequential: bool = False,
     alpha: float = distribution.DEFAULT_ALPHA,
 ) -> distribution.EngineResult:
     wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(bins, fs, draft=True, draft_sampling=draft_sampling) as srv:
-        eng = distribution.ServerEngine(
-            srv.url, fs.spec, wl, label=bins.variant, kind="server-spec"
-        )
-        return distribution.measure(eng, fs.spec, wl, seeds, alpha=alpha, sequential=sequential)
+    eng = distribution.ServerEngine(url, fs.spec, wl, label=label, kind="server-spec")
+    return distribution.measure(eng, fs.spec, wl, seeds, alpha=alpha, sequential=sequential)
 
 
-def _texts(bins: LlamaBinaries, fs: fixtures.FixtureSet, seeds: range, sampling: str) -> list[str]:
+def _texts(url: str, label: str, fs: fixtures.FixtureSet, seeds: range) -> list[str]:
     wl = distribution.make_workload(fs.spec)
-    with distribution.spawn_server(bins, fs, draft=True, draft_sampling=sampling) as srv:
-        eng = distribution.ServerEngine(
-            srv.url, fs.spec, wl, label=bins.variant, kind="server-spec"
-        )
-        return [s.text for s in distribution.collect(eng, seeds)]
+    eng = distribution.ServerEngine(url, fs.spec, wl, label=label, kind="server-spec")
+    return [s.text for s in distribution.collect(eng, seeds)]
 
 
 def test_every_bundled_mutant_applies_to_pristine_b11434(llama_bins: LlamaBinaries) -> None:
@@ -71,9 +70,11 @@ def test_every_bundled_mutant_applies_to_pristine_b11434(llama_bins: LlamaBinari
 
 
 def test_stock_preserves_under_probabilistic_drafting(
-    llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet
+    dist_result: Callable[[str, str], distribution.EngineResult],
 ) -> None:
-    res = _spec_server(llama_bins, fixture_set, STOCK_SEEDS)
+    # the session's stock rejection server on seeds 1..1000: the audit's dist section's result
+    res = dist_result("fixture", "rejection")
+    assert res.n_samples == len(STOCK_SEEDS)
     assert res.verdict is Verdict.PRESERVED, res.reason
     # the rejection sampler really ran: it accepts far more than greedy's sample-and-match
     # (2637 drafted / 946 accepted on these seeds; measured 2257 / 1493 here)
@@ -83,22 +84,25 @@ def test_stock_preserves_under_probabilistic_drafting(
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_is_broken_under_probabilistic_drafting(
-    mutant: str, fixture_set: fixtures.FixtureSet
+    mutant: str, fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     bins = llama.ensure(patches=(resolve(mutant),), progress=_progress)
     assert bins.variant.startswith("mutant-")
-    res = _spec_server(bins, fixture_set, MUTANT_SEEDS, sequential=True, alpha=1e-3)
+    url = shared_servers.fixture(bins, fixture_set, "rejection").url
+    res = _spec_server(url, bins.variant, fixture_set, MUTANT_SEEDS, sequential=True, alpha=1e-3)
     assert res.verdict is Verdict.BROKEN, res.reason
     assert res.sequential is not None and res.sequential.samples_used <= 50
 
 
 def test_a_rejection_sampler_mutant_is_invisible_under_greedy_drafting(
-    llama_bins: LlamaBinaries, fixture_set: fixtures.FixtureSet
+    server: Callable[[str], Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """Greedy drafting never calls the rejection sampler: the same samples as stock, byte for
     byte. Why dist has to run the probabilistic path to see such a bug at all."""
     bins = llama.ensure(patches=(resolve("mutants/ratio-inverted"),), progress=_progress)
     seeds = range(1, 201)
-    assert _texts(bins, fixture_set, seeds, "greedy") == _texts(
-        llama_bins, fixture_set, seeds, "greedy"
+    mutant = shared_servers.fixture(bins, fixture_set, "greedy").url
+    stock = server("fixture-spec").url
+    assert _texts(mutant, bins.variant, fixture_set, seeds) == _texts(
+        stock, "stock", fixture_set, seeds
     )

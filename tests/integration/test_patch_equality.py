@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import fixtures
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
@@ -243,13 +244,14 @@ def compare(ref: Reply, got: Reply, tol: float, *, same_sample: bool = True) -> 
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    return fixtures.build(tmp_path_factory.mktemp("patch-eq-fixture"))
+def fx(fixture_set: fixtures.FixtureSet) -> fixtures.FixtureSet:
+    return fixture_set
 
 
 class _Servers:
     """Starts named servers (`presets.server`, one slot each) into one ExitStack, each logging
-    to ``<log_dir>/<name>.log``."""
+    to ``<log_dir>/<name>.log``: this module's own, for the drafters that keep state across
+    requests (the n-gram types) and the configurations no other test runs."""
 
     def __init__(self, stack: contextlib.ExitStack, log_dir: Path, kind: str) -> None:
         self.stack, self.log_dir, self.kind = stack, log_dir, kind
@@ -264,21 +266,23 @@ class _Servers:
 def fixture_servers(
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
+    shared_servers: SharedServers,
     fx: fixtures.FixtureSet,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, str]]:
     draft = {"draft": fx.draft, "spec_type": "draft-simple"}
+
+    def shared(bins: LlamaBinaries, path: str) -> str:
+        return shared_servers.fixture(bins, fx, path).url
+
     with contextlib.ExitStack() as stack:
         s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-fixture-logs"), "fixture")
         yield {
-            "plain": s.start("fx-plain", llama_bins, fx.target),
-            "spec": s.start("fx-spec", patched_bins, fx.target, **draft),
+            "plain": shared(llama_bins, "plain"),
+            "spec": shared(patched_bins, "greedy"),
             # the control: the same build without the patch
-            "stock-spec": s.start("fx-stock-spec", llama_bins, fx.target, **draft),
-            "rejection": s.start(
-                "fx-rejection", patched_bins, fx.target, **draft,
-                extra_args=["--spec-draft-sampling", "probabilistic"],
-            ),
+            "stock-spec": shared(llama_bins, "greedy"),
+            "rejection": shared(patched_bins, "rejection"),
             "synth": s.start(
                 "fx-synth", patched_bins, fx.target, **draft,
                 extra_args=["--spec-synth-len", "3"],
@@ -287,10 +291,7 @@ def fixture_servers(
             # EAGLE3: the fixture's EAGLE3 head drafts greedily (sample-and-match), patched and
             # (the control) stock
             **{
-                f"{v}-eagle3": s.start(
-                    f"fx-{v}-eagle3", bins, fx.target, draft=fixtures.eagle3_draft(fx),
-                    spec_type="draft-eagle3",
-                )
+                f"{v}-eagle3": shared(bins, "eagle3")
                 for v, bins in (("patched", patched_bins), ("stock", llama_bins))
             },
             # the other n-gram types, patched and (the control) stock, each with its flags
@@ -305,79 +306,85 @@ def fixture_servers(
         }  # fmt: skip
 
 
+# LLAMA_TRACE set: a replay server logs every checkpoint restore (`replay_restores`)
+TRACE = {"LLAMA_TRACE": "1"}
+
+
 def _path_servers(
-    s: _Servers,
+    shared_servers: SharedServers,
     fs: fixtures.FixtureSet,
-    model: str,
     paths: tuple[str, ...],
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
+    patched_env: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """A fixture's plain server, and for each of its speculative `paths` (their presets'
-    spec type, draft and flags) a patched server and (the control) a stock one."""
-    servers = {"plain": s.start(f"{model}-plain", llama_bins, fs.target)}
+    """A fixture's plain server, and for each of its speculative `paths` a patched server
+    (started with `patched_env`) and (the control) a stock one: the session's
+    (`shared_servers`; these drafters keep no state across requests)."""
+    servers = {"plain": shared_servers.fixture(llama_bins, fs, "plain").url}
     for path in paths:
-        preset = presets.PRESETS[presets.fixture_role(model, path)]
-        for v, bins in (("patched", patched_bins), ("stock", llama_bins)):
-            servers[f"{v}-{path}"] = s.start(
-                f"{model}-{v}-{path}", bins, fs.target, spec_type=preset.spec_type,
-                draft=fs.draft if preset.uses_draft else None, extra_args=list(preset.extra_args),
-            )  # fmt: skip
+        servers[f"patched-{path}"] = shared_servers.fixture(
+            patched_bins, fs, path, env=patched_env
+        ).url
+        servers[f"stock-{path}"] = shared_servers.fixture(llama_bins, fs, path).url
     return servers
 
 
 @pytest.fixture(scope="module")
-def mtp_fx(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
-    return fixtures.build(tmp_path_factory.mktemp("patch-eq-mtp"), kind="mtp")
+def mtp_fx(
+    fixture_of_kind: Callable[[fixtures.FixtureKind], fixtures.FixtureSet],
+) -> fixtures.FixtureSet:
+    return fixture_of_kind("mtp")
 
 
 @pytest.fixture(scope="module")
 def mtp_servers(
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
+    shared_servers: SharedServers,
     mtp_fx: fixtures.FixtureSet,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, str]]:
+) -> dict[str, str]:
     """The mtp fixture (glm4moe with its own MTP layer, no draft model): plain, and each MTP
     path (`presets.MTP_PATHS`: greedy, probabilistic) patched and stock."""
-    with contextlib.ExitStack() as stack:
-        s = _Servers(stack, tmp_path_factory.mktemp("patch-eq-mtp-logs"), "fixture-mtp")
-        yield _path_servers(s, mtp_fx, "fixture-mtp", presets.MTP_PATHS, llama_bins, patched_bins)
-
-
-@pytest.fixture(scope="module")
-def replay_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("patch-eq-replay-logs")
+    return _path_servers(shared_servers, mtp_fx, presets.MTP_PATHS, llama_bins, patched_bins)
 
 
 @pytest.fixture(scope="module")
 def replay_servers(
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
+    shared_servers: SharedServers,
     replay_fixture: fixtures.FixtureSet,
-    replay_logs: Path,
-) -> Iterator[dict[str, str]]:
+) -> dict[str, str]:
     """The replay fixture (a Mamba target: a partial acceptance restores a checkpoint and
     replays the accepted tokens): plain, and each replay path (`presets.REPLAY_PATHS`: the
-    draft model greedy, probabilistic) patched and stock. With LLAMA_TRACE set the servers
-    log every checkpoint restore (`replay_restores`)."""
-    with contextlib.ExitStack() as stack:
-        s = _Servers(stack, replay_logs, "fixture-replay")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LLAMA_TRACE", "1")
-            servers = _path_servers(
-                s, replay_fixture, "fixture-replay", presets.REPLAY_PATHS, llama_bins, patched_bins
-            )
-        yield servers
+    draft model greedy, probabilistic) patched and stock. The patched servers run with
+    LLAMA_TRACE set: they log every checkpoint restore (`replay_restores`)."""
+    return _path_servers(
+        shared_servers, replay_fixture, presets.REPLAY_PATHS, llama_bins, patched_bins, TRACE
+    )
+
+
+@pytest.fixture(scope="module")
+def replay_logs(
+    patched_bins: LlamaBinaries,
+    shared_servers: SharedServers,
+    replay_fixture: fixtures.FixtureSet,
+    replay_servers: dict[str, str],
+) -> dict[str, Path]:
+    """Each replay path's patched server's log."""
+    return {
+        path: shared_servers.fixture(patched_bins, replay_fixture, path, env=TRACE).log_path
+        for path in presets.REPLAY_PATHS
+    }
 
 
 RESTORE = re.compile(r"accepted +\d+/ *\d+ draft tokens \(restore checkpoint\)")
 
 
-def replay_restores(replay_logs: Path, path: str) -> int:
+def replay_restores(replay_logs: dict[str, Path], path: str) -> int:
     """Checkpoint restores the patched server of a replay path has logged so far."""
-    log = replay_logs / f"fixture-replay-patched-{path}.log"
-    return len(RESTORE.findall(log.read_text(errors="replace")))
+    return len(RESTORE.findall(replay_logs[path].read_text(errors="replace")))
 
 
 @pytest.fixture(scope="module")
@@ -548,7 +555,9 @@ def test_sample_and_match_drafts_equal_plain(
     servers_fixture, fs_fixture = SAME_SAMPLE_PATHS[path]
     servers: dict[str, str] = request.getfixturevalue(servers_fixture)
     fs: fixtures.FixtureSet = request.getfixturevalue(fs_fixture)
-    logs: Path | None = request.getfixturevalue("replay_logs") if path == "replay" else None
+    logs: dict[str, Path] | None = (
+        request.getfixturevalue("replay_logs") if path == "replay" else None
+    )
     before = replay_restores(logs, path) if logs is not None else 0
     res = same_sample_equality(
         servers["plain"], servers[f"patched-{path}"], servers[f"stock-{path}"], fs.spec.prompt,

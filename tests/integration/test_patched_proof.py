@@ -6,18 +6,21 @@ The per-token equality with the plain server is in test_patch_equality.py; here 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shared_servers import SharedServers
 from specaudit import ab, check, distribution, fixtures
 from specaudit.audit import AuditContext
 from specaudit.audit.sections import patched
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
+from specaudit.llama.server import LlamaServer
 from specaudit.stats import Verdict
 
 CliFn = Callable[..., tuple[int, str, str]]
@@ -58,20 +61,27 @@ def _fixture_kind(path: str) -> fixtures.FixtureKind:
     return "last-token"
 
 
-@pytest.fixture(scope="module")
-def path_fixture(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[str], fixtures.FixtureSet]:
-    """The fixture of a path (`_fixture_kind`), built once per kind."""
-    built: dict[str, fixtures.FixtureSet] = {}
+# The n-gram drafters that keep state across requests (per slot, or ngram-mod's pool shared by
+# the slots: docs/dist.md): their servers are fresh, not the session's, whose drafters have
+# served other tests (a map type's rejected key drafts no more in its slot)
+STATEFUL_DRAFTERS = ("ngram", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 
-    def get(path: str) -> fixtures.FixtureSet:
-        kind = _fixture_kind(path)
-        if kind not in built:
-            built[kind] = fixtures.build(tmp_path_factory.mktemp(f"check-{kind}"), kind=kind)
-        return built[kind]
 
-    return get
+@contextlib.contextmanager
+def _server(
+    shared_servers: SharedServers,
+    bins: LlamaBinaries,
+    fs: fixtures.FixtureSet,
+    path: str,
+    log_dir: Path,
+) -> Iterator[LlamaServer]:
+    """A fresh server for a stateful drafter (stopped on exit), else the session's."""
+    if path not in STATEFUL_DRAFTERS:
+        yield shared_servers.fixture(bins, fs, path)
+        return
+    log_dir.mkdir()
+    with distribution.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("path", SPECULATIVE_PATHS)
@@ -79,23 +89,21 @@ def test_check_flags_stock_and_passes_patched_on_every_speculative_path(
     path: str,
     llama_bins: LlamaBinaries,
     patched_bins: LlamaBinaries,
-    path_fixture: Callable[[str], fixtures.FixtureSet],
+    fixture_of_kind: Callable[[fixtures.FixtureKind], fixtures.FixtureSet],
+    shared_servers: SharedServers,
     cli: CliFn,
     tmp_path: Path,
 ) -> None:
-    """`check` on a fresh stock and a fresh patched server of each verification path (the
-    draft model greedy and probabilistic, each n-gram type, EAGLE3, MTP greedy and
-    probabilistic, checkpoint replay greedy and probabilistic): stock returns placeholders
-    (exit 1), patched only real values on every endpoint, streamed and not (exit 0), both
-    while drafting. Fresh servers because the session's stock n-gram servers keep per-slot
-    drafter state for the audit's dist section, and the session's servers run neither the mtp
-    nor the replay fixture."""
-    fs = path_fixture(path)
+    """`check` on a stock and a patched server of each verification path (the draft model
+    greedy and probabilistic, each n-gram type, EAGLE3, MTP greedy and probabilistic,
+    checkpoint replay greedy and probabilistic): stock returns placeholders (exit 1), patched
+    only real values on every endpoint, streamed and not (exit 0), both while drafting. The
+    n-gram drafters with state across requests get fresh servers (`STATEFUL_DRAFTERS`), the
+    other paths the session's (`shared_servers`)."""
+    fs = fixture_of_kind(_fixture_kind(path))
     seen: dict[str, tuple[int, int, int, int]] = {}
     for variant, bins in (("stock", llama_bins), ("patched", patched_bins)):
-        log_dir = tmp_path / variant
-        log_dir.mkdir()
-        with distribution.spawn_server(bins, fs, path=path, log_dir=log_dir) as srv:
+        with _server(shared_servers, bins, fs, path, tmp_path / variant) as srv:
             code, out, err = cli("check", srv.url, "--prompt", fs.spec.prompt, "--json")
         assert code in (0, 1), err[-2000:]
         data = json.loads(out)

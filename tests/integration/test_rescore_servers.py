@@ -1,8 +1,8 @@
 """The re-scored test against real llama-servers: the fixture (where the closed form
 cross-checks the reference) and Gemma 3 270M speculating with itself as its draft.
 
-One server per role for the session (conftest); the references are plain servers of the same
-model file.
+One server per role for the session (conftest; a mutant's from `shared_servers`); the
+references are plain servers of the same model file.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from specaudit import distribution, fixtures, llama
+from shared_servers import SharedServers
+from specaudit import fixtures, llama
 from specaudit.check.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve
@@ -81,15 +82,13 @@ def test_rejection_sampling_on_the_fixture_is_preserved(
 
 
 def test_a_rejection_sampler_mutant_is_broken_by_rescoring(
-    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """argmax-proposal (the draft proposes its argmax but reports its sampled q): the
     re-scored test catches it without the fixture's closed form."""
     bins = llama.ensure(patches=(resolve("mutants/argmax-proposal"),))
-    with distribution.spawn_server(
-        bins, fixture_set, draft=True, draft_sampling="probabilistic"
-    ) as srv:
-        res = runner.run(_fixture_request(srv.url, server("fixture-plain").url, fixture_set))
+    srv = shared_servers.fixture(bins, fixture_set, "rejection")
+    res = runner.run(_fixture_request(srv.url, server("fixture-plain").url, fixture_set))
     assert res.stats is not None and res.stats.verdict is Verdict.BROKEN, res.stats
     assert res.stats.favourite_rate > res.stats.favourite_expected
 
@@ -163,7 +162,8 @@ def test_a_reference_dying_mid_run_keeps_every_sample(
     server: Callable[..., Any], fixture_set: fixtures.FixtureSet
 ) -> None:
     """The reference is stopped after a few samples: every sample already drawn stays in the
-    result, which says how far re-scoring got and decides nothing."""
+    result, which says how far re-scoring got and decides nothing. (Its own reference server:
+    the test stops it.)"""
     bins = llama.ensure()
     ref = LlamaServer(bins, fixture_set.target, parallel=1, name="reference")
     stopped = threading.Event()
@@ -196,7 +196,7 @@ def _self_request(url: str, fs: fixtures.FixtureSet, sampler: SamplerSettings) -
 
 
 def test_self_check_without_a_reference(
-    server: Callable[..., Any], fixture_set: fixtures.FixtureSet
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
 ) -> None:
     """--self: the patched server samples what it reports (PRESERVED, every token tested);
     the stock one's placeholders are counted, not tested; a logprob mutant that reports the
@@ -208,7 +208,8 @@ def test_self_check_without_a_reference(
     stock = runner.run(_self_request(server("fixture-spec").url, fixture_set, warm))
     assert stock.unreported > 0 and stock.rescored + stock.unreported == 1200
     bins = llama.ensure(patches=(resolve("mutants/lp-no-temperature"),))
-    with distribution.spawn_server(bins, fixture_set, draft=True) as srv:
-        bad = runner.run(_self_request(srv.url, fixture_set, warm))
+    bad = runner.run(
+        _self_request(shared_servers.fixture(bins, fixture_set, "greedy").url, fixture_set, warm)
+    )
     assert bad.stats is not None
     assert bad.stats.verdict is Verdict.BROKEN, bad.stats.reason
