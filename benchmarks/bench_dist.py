@@ -118,7 +118,7 @@ def bench_false_alarms(url: str, fs: fixtures.FixtureSet, runs: int, block: int)
     t0 = time.perf_counter()
     for i in range(runs):
         chunk = samples[i * block : (i + 1) * block]
-        res = distribution.analyze(fs.spec, wl, chunk, alpha=0.01, mc_seed=i)
+        res = distribution.analyse(fs.spec, wl, chunk, alpha=0.01, mc_seed=i)
         alarms += res.verdict is Verdict.BROKEN
         inconclusive += res.verdict is Verdict.INCONCLUSIVE
         v, _ = distribution.replay_sequential(fs.spec, wl, chunk, alpha=0.01)

@@ -144,7 +144,7 @@ def first_fixed_rejection(
     for n in GRID:
         if n > len(samples):
             break
-        if distribution.analyze(fs.spec, wl, samples[:n], alpha=ALPHA).verdict is Verdict.BROKEN:
+        if distribution.analyse(fs.spec, wl, samples[:n], alpha=ALPHA).verdict is Verdict.BROKEN:
             return str(n)
     return f">{len(samples)}"
 
@@ -189,7 +189,7 @@ def measure_row(
             r0 = base[1]
             rows.append(replace(r0, build=build, same="yes", drafted=f"{dn}/{da}", counts_off=off))
         else:
-            fixed = distribution.analyze(fs.spec, wl, samples, alpha=ALPHA)
+            fixed = distribution.analyse(fs.spec, wl, samples, alpha=ALPHA)
             ev, eseq = distribution.replay_sequential(
                 fs.spec, wl, samples, alpha=ALPHA, tolerance=1e-9
             )

@@ -114,7 +114,7 @@ def dist_false_alarms(runs: int, *, n: int = 400, alpha: float = 0.05) -> Rate:
     for (spec, wl), seed in zip(KINDS, (100, 200), strict=True):
         truth, rng = distribution.Truth(spec, wl), np.random.default_rng(seed)
         for _ in range(runs):
-            res = distribution.analyze(spec, wl, draw(truth, n, rng), alpha=alpha, mc_draws=500)
+            res = distribution.analyse(spec, wl, draw(truth, n, rng), alpha=alpha, mc_draws=500)
             broken += res.verdict is Verdict.BROKEN
     return Rate("fixed-sample BROKEN of correct engines", broken, 2 * runs, alpha, True)
 
@@ -140,7 +140,7 @@ def history_false_alarms(runs: int, *, n: int = 1000, alpha: float = 0.05) -> li
     alpha unadjusted, at most alpha of the time."""
     truth, rng = distribution.Truth(SPEC, WL), np.random.default_rng(32)
     results = [
-        distribution.analyze(SPEC, WL, draw(truth, n, rng), alpha=alpha, mc_draws=500)
+        distribution.analyse(SPEC, WL, draw(truth, n, rng), alpha=alpha, mc_draws=500)
         for _ in range(runs)
     ]
     broken = sum(r.verdict is Verdict.BROKEN for r in results)

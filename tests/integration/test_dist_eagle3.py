@@ -52,7 +52,7 @@ def test_eagle3_head_drafts_and_keeps_the_distribution(
     assert "--spec-type draft-eagle3" in log and fixtures.EAGLE3_FILE in log
     wl = distribution.make_workload(fs.spec)
     coded = [replace(s, text=encode_text(s.text, wl.tokens, fs.spec)) for s in samples]
-    e = distribution.analyze(fs.spec, wl, coded, engine="eagle3", kind="eagle3")
+    e = distribution.analyse(fs.spec, wl, coded, engine="eagle3", kind="eagle3")
     print(f"\neagle3, seeds 1..{SEEDS[-1]}: {e.verdict.value}, {e.drafted} drafted, "
           f"{e.accepted} accepted")  # fmt: skip
     assert e.verdict is Verdict.PRESERVED, e.reason

@@ -67,12 +67,12 @@ def _collect(
     return distribution.collect(eng, seeds)
 
 
-def _analyze(
+def _analyse(
     fs: fixtures.FixtureSet, samples: list[distribution.Sample], path: str
 ) -> distribution.EngineResult:
     wl = distribution.make_workload(fs.spec)
     coded = [replace(s, text=encode_text(s.text, wl.tokens, fs.spec)) for s in samples]
-    e = distribution.analyze(fs.spec, wl, coded, engine=path, kind=path)
+    e = distribution.analyse(fs.spec, wl, coded, engine=path, kind=path)
     e.path = path
     return e
 
@@ -233,7 +233,7 @@ def test_hidden_row_mutant_keeps_the_distribution_but_not_the_counts(
     with distribution.spawn_server(bins, mtp_fixture, path="mtp") as srv:  # this test's alone
         samples = _collect(srv, mtp_fixture, "mtp", SEEDS)
     assert [s.text for s in samples] == [s.text for s in stock_greedy]
-    assert _analyze(mtp_fixture, samples, "mtp").verdict is Verdict.PRESERVED
+    assert _analyse(mtp_fixture, samples, "mtp").verdict is Verdict.PRESERVED
     wrong = _count_mismatches(mtp_fixture, samples)
     print(f"\nmtp-hidden-row: {wrong} of {len(samples)} samples drafted or accepted otherwise")
     assert wrong > 0

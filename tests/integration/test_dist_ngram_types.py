@@ -87,7 +87,7 @@ def test_each_ngram_type_keeps_the_distribution_and_drafts(
     engines = []
     for t, samples in by_type.items():
         coded = [replace(s, text=encode_text(s.text, wl.tokens, fs.spec)) for s in samples]
-        e = distribution.analyze(fs.spec, wl, coded, engine=f"llama-server + {t}", kind=t)
+        e = distribution.analyse(fs.spec, wl, coded, engine=f"llama-server + {t}", kind=t)
         e.path = t
         engines.append(e)
     res = distribution.DistResult(

@@ -400,7 +400,7 @@ def test_the_terminal_view_has_one_summary_and_the_detail_lines(
         distribution.Sample(s.seed, s.text, drafted=3, accepted=2)
         for s in draw(truth, 400, np.random.default_rng(3))
     ]
-    e = distribution.analyze(spec, wl, samples, engine="spec")
+    e = distribution.analyse(spec, wl, samples, engine="spec")
     e.path = "rejection"
     res = distribution.DistResult("fixture", tmp_path, {}, wl, 0.01, 0.15, False, [e])
     buf = io.StringIO()

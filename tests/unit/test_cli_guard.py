@@ -690,10 +690,10 @@ def test_the_tally_gives_the_same_result_as_the_samples() -> None:
 
     samples = asyncio.run(draw(400))
     samples.insert(7, distribution.Sample(999, "aaaa"))  # impossible tokens too
-    from_list = distribution.analyze(SPEC, wl, samples)
+    from_list = distribution.analyse(SPEC, wl, samples)
     tally = distribution.OutcomeCounts.of(samples, wl)
     assert len(tally.texts) <= len(SPEC.letters) ** wl.positions
-    assert distribution.analyze(SPEC, wl, tally) == from_list
+    assert distribution.analyse(SPEC, wl, tally) == from_list
     assert (from_list.n_samples, from_list.first_seed, from_list.last_seed) == (401, 1, 999)
     assert from_list.drafted == 400
 

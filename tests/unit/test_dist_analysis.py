@@ -58,7 +58,7 @@ def test_marginals_agree_with_the_joint(t: int) -> None:
 
 
 def test_samples_from_the_target_are_preserved() -> None:
-    res = distribution.analyze(SPEC, WL, _draw(1500, 1), engine="closed form")
+    res = distribution.analyse(SPEC, WL, _draw(1500, 1), engine="closed form")
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert [t.name for t in res.tests] == [
         "position 1", "position 2", "position 3", "position 4", "joint 1-3", "draft direction",
@@ -70,7 +70,7 @@ def test_samples_from_the_target_are_preserved() -> None:
 
 
 def test_too_few_samples_are_inconclusive() -> None:
-    res = distribution.analyze(SPEC, WL, _draw(60, 2))
+    res = distribution.analyse(SPEC, WL, _draw(60, 2))
     assert res.verdict is Verdict.INCONCLUSIVE, res.reason
     assert "more samples" in res.reason
 
@@ -85,7 +85,7 @@ def _always_e_after_f(prefix: str, p: np.ndarray) -> np.ndarray:
 
 
 def test_the_example_programs_bias_is_broken() -> None:
-    res = distribution.analyze(SPEC, WL, _draw(300, 3, _always_e_after_f))
+    res = distribution.analyse(SPEC, WL, _draw(300, 3, _always_e_after_f))
     assert res.verdict is Verdict.BROKEN
     pos2 = res.tests[1]
     assert pos2.rejected and pos2.gof.p_value < 1e-30
@@ -97,7 +97,7 @@ def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
     samples = _draw(5, 4)
     # 'a' has probability 0 as the first token after bcdbc (top-k 3 keeps d, e, f)
     samples[0] = distribution.Sample(samples[0].seed, "a" + samples[0].text[1:])
-    res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
+    res = distribution.analyse(SPEC, WL, samples, alpha=1e-9)
     assert res.verdict is Verdict.BROKEN
     assert res.impossible == 1
     assert "probability 0" in res.reason
@@ -105,14 +105,14 @@ def test_an_impossible_token_is_broken_whatever_the_sample_size() -> None:
 
 def test_drafted_and_accepted_are_summed() -> None:
     s = [distribution.Sample(i, t.text, 3, 1) for i, t in enumerate(_draw(20, 5))]
-    res = distribution.analyze(SPEC, WL, s)
+    res = distribution.analyse(SPEC, WL, s)
     assert (res.drafted, res.accepted) == (60, 20)
 
 
 def test_text_that_is_not_the_fixture_is_broken_with_evidence() -> None:
     # it used to be an error (exit 2); text the fixture cannot produce is an outcome of
     # probability 0: BROKEN, naming seed, position and token (tests/unit/test_dist_verdicts.py)
-    res = distribution.analyze(SPEC, WL, [distribution.Sample(1, "Hello")])
+    res = distribution.analyse(SPEC, WL, [distribution.Sample(1, "Hello")])
     assert res.verdict is Verdict.BROKEN and res.impossible == 1
     assert (res.evidence[0].seed, res.evidence[0].position, res.evidence[0].token) == (1, 1, "'H'")
     assert "is the engine running it" in res.reason
@@ -138,9 +138,9 @@ def test_sequential_stops_early_on_the_bias_and_runs_on_under_the_null() -> None
 
 
 def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
-    good = distribution.analyze(SPEC, WL, _draw(1500, 1), engine="good")
-    few = distribution.analyze(SPEC, WL, _draw(60, 2), engine="few")
-    bad = distribution.analyze(SPEC, WL, _draw(300, 3, _always_e_after_f))
+    good = distribution.analyse(SPEC, WL, _draw(1500, 1), engine="good")
+    few = distribution.analyse(SPEC, WL, _draw(60, 2), engine="few")
+    bad = distribution.analyse(SPEC, WL, _draw(300, 3, _always_e_after_f))
 
     def result(*engines: distribution.EngineResult) -> distribution.DistResult:
         return distribution.DistResult("x", tmp_path, {}, WL, 0.01, 0.15, False, list(engines))
@@ -152,8 +152,8 @@ def test_result_outcome_and_exit_code(tmp_path: Path) -> None:
 
 
 def test_markdown_and_plot(tmp_path: Path) -> None:
-    good = distribution.analyze(SPEC, WL, _draw(400, 8), engine="good")
-    bad = distribution.analyze(SPEC, WL, _draw(400, 9, _always_e_after_f), engine="bad")
+    good = distribution.analyse(SPEC, WL, _draw(400, 8), engine="good")
+    bad = distribution.analyse(SPEC, WL, _draw(400, 9, _always_e_after_f), engine="bad")
     res = distribution.DistResult(
         "x", tmp_path, {}, WL, 0.01, 0.15, False, [good, bad]
     )  # fmt: skip
@@ -333,6 +333,6 @@ def test_impossible_tokens_are_counted_once_each() -> None:
     p = truth.next(head)
     bad = next(ch for ch in SPEC.letters if p[truth.index[ch]] == 0)
     samples[1] = distribution.Sample(2, head + bad)  # impossible fourth token
-    res = distribution.analyze(SPEC, WL, samples)
+    res = distribution.analyse(SPEC, WL, samples)
     assert res.impossible == 2
     assert res.verdict is Verdict.BROKEN

@@ -83,7 +83,7 @@ def test_conditional_tv_bound_covers_the_prefix_averaged_tv() -> None:
 
 
 def test_preserved_names_what_it_certifies() -> None:
-    res = distribution.analyze(SPEC, WL, draw(TRUTH, 1500, np.random.default_rng(1)))
+    res = distribution.analyse(SPEC, WL, draw(TRUTH, 1500, np.random.default_rng(1)))
     assert res.verdict is Verdict.PRESERVED, res.reason
     assert "prefix-averaged next-token TV" in res.reason and "joint TV" in res.reason
     positions = [t for t in res.tests if t.kind == "position"]
@@ -137,7 +137,7 @@ def test_the_marginal_preserving_reroute_is_not_certified_on_its_marginals(n: in
     assert np.allclose(marg[0], marg[1], atol=1e-12)
     rng = np.random.default_rng(n)
     results = [
-        distribution.analyze(SPEC, WL, draw(TRUTH, n, rng, bend), mc_stop_hits=STOP)
+        distribution.analyse(SPEC, WL, draw(TRUTH, n, rng, bend), mc_stop_hits=STOP)
         for _ in range(30)
     ]
     for r in results:
@@ -179,7 +179,7 @@ def test_leakage_at_the_reported_minimum_is_detected(
 ) -> None:
     n, alpha = 1000, 0.01
     truth = distribution.Truth(spec, wl)
-    null = distribution.analyze(spec, wl, draw(truth, n, np.random.default_rng(5)), alpha=alpha)
+    null = distribution.analyse(spec, wl, draw(truth, n, np.random.default_rng(5)), alpha=alpha)
     power = null.directed
     assert power is not None and power.lambda_ is not None and power.tv is not None
     assert power.n == n and power.level == pytest.approx(alpha / len(null.tests))
@@ -189,7 +189,7 @@ def test_leakage_at_the_reported_minimum_is_detected(
     rng = np.random.default_rng(6)
     bend = _leak(truth, power.lambda_)
     results = [
-        distribution.analyze(spec, wl, draw(truth, n, rng, bend), alpha=alpha, mc_stop_hits=STOP)
+        distribution.analyse(spec, wl, draw(truth, n, rng, bend), alpha=alpha, mc_stop_hits=STOP)
         for _ in range(40)
     ]
     # the computed power is 80 %: at least the binomial(40, 0.8) 0.1 % quantile
@@ -264,7 +264,7 @@ def test_a_token_of_probability_zero_is_broken_with_evidence(
     text: str, position: int, token: str
 ) -> None:
     samples = _with(draw(TRUTH, 200, np.random.default_rng(8)), 16, text)
-    res = distribution.analyze(SPEC, WL, samples, alpha=1e-9)
+    res = distribution.analyse(SPEC, WL, samples, alpha=1e-9)
     assert res.verdict is Verdict.BROKEN and res.impossible == 1
     pos = next(t for t in res.tests if t.position == position and t.kind == "position")
     assert pos.gof.p_value == 0.0 and pos.gof.method == "impossible"
@@ -445,24 +445,24 @@ def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
         if verdict is Verdict.WITHIN_TOLERANCE:
             assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.15
     assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 5
-    fixed = distribution.analyze(SPEC, WL, draw(TRUTH, 1000, rng, bend))
+    fixed = distribution.analyse(SPEC, WL, draw(TRUTH, 1000, rng, bend))
     assert fixed.verdict is Verdict.BROKEN
 
 
 def test_inconclusive_says_how_many_samples_would_do() -> None:
-    res = distribution.analyze(SPEC, WL, draw(TRUTH, 200, np.random.default_rng(13)))
+    res = distribution.analyse(SPEC, WL, draw(TRUTH, 200, np.random.default_rng(13)))
     assert res.verdict is Verdict.INCONCLUSIVE
     assert res.tv_bound is not None and res.tv_bound > 0.15
     assert res.samples_needed == math.ceil(200 * (res.tv_bound / 0.15) ** 2)
     assert f"about {res.samples_needed} samples" in res.reason
-    more = distribution.analyze(
+    more = distribution.analyse(
         SPEC, WL, draw(TRUTH, res.samples_needed, np.random.default_rng(14))
     )  # the estimate from 1/sqrt(n) scaling is about right
     assert more.tv_bound is not None and more.tv_bound <= 0.165
 
 
 def test_within_tolerance_is_a_pass_of_its_own(tmp_path: Path) -> None:
-    good = distribution.analyze(
+    good = distribution.analyse(
         SPEC, WL, draw(TRUTH, 1500, np.random.default_rng(1)), engine="good"
     )
     seq = distribution.measure(_ScriptedEngine({}, 3000), SPEC, WL, range(1, 3001), sequential=True)

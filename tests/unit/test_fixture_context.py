@@ -377,10 +377,10 @@ def test_analysis_of_exact_frequencies_is_not_broken() -> None:
     keys = sorted(joint)
     draws = rng.choice(len(keys), size=1500, p=np.array([joint[k] for k in keys]))
     samples = [distribution.Sample(i + 1, keys[j]) for i, j in enumerate(draws)]
-    res = distribution.analyze(SPEC, wl, samples)
+    res = distribution.analyse(SPEC, wl, samples)
     assert res.verdict.name == "PRESERVED", res.reason
     # ... and the last-token fixture's truth rejects them: context is visible to the test
-    other = distribution.analyze(
+    other = distribution.analyse(
         fx.make_spec(7, name="x"), distribution.make_workload(fx.make_spec(7, name="x")), samples
     )
     assert other.verdict.name == "BROKEN"

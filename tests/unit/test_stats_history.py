@@ -50,7 +50,7 @@ def _verdicts(bend: Bend, runs: int, seed: int) -> list[distribution.EngineResul
     truth = distribution.Truth(SPEC, WL)
     rng = np.random.default_rng(seed)
     return [
-        distribution.analyze(
+        distribution.analyse(
             SPEC, WL, draw(truth, 1000, rng, bend), mc_draws=2000, mc_stop_hits=MC_STOP_HITS
         )
         for _ in range(runs)

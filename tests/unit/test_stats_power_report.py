@@ -35,7 +35,7 @@ def test_the_noncentrality_gives_the_requested_power() -> None:
 
 def _res(n: int, seed: int) -> distribution.EngineResult:
     truth = distribution.Truth(SPEC, WL)
-    return distribution.analyze(
+    return distribution.analyse(
         SPEC, WL, draw(truth, n, np.random.default_rng(seed)), mc_draws=2000
     )
 
@@ -127,5 +127,5 @@ def test_the_whole_sequence_bound_covers_the_true_sequence_tv() -> None:
     assert 0.05 < true_tv < 0.2
     rng = np.random.default_rng(65)
     for _ in range(20):
-        res = distribution.analyze(SPEC, WL, draw(truth, 1000, rng, bend), mc_draws=300)
+        res = distribution.analyse(SPEC, WL, draw(truth, 1000, rng, bend), mc_draws=300)
         assert res.sequence_tv_bound is not None and res.sequence_tv_bound >= true_tv

@@ -34,7 +34,7 @@ def test_seed_reuse_is_broken_by_the_seed_pair_test() -> None:
     rng = np.random.default_rng(41)
     for _ in range(10):
         samples = reuse_previous_seed(draw(truth, 1000, rng), 0.2, rng)
-        res = distribution.analyze(SPEC, WL, samples, mc_draws=2000, mc_stop_hits=MC_STOP_HITS)
+        res = distribution.analyse(SPEC, WL, samples, mc_draws=2000, mc_stop_hits=MC_STOP_HITS)
         pairs = next(x for x in res.tests if x.kind == "seeds")
         assert res.verdict is Verdict.BROKEN and pairs.rejected, res.reason
         assert pairs.n == 999 and pairs.contexts == 1  # one run of consecutive seeds

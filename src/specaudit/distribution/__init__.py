@@ -47,7 +47,7 @@ section is `specaudit.audit.sections.dist`.
 """
 
 from specaudit.distribution import hf, llamacpp, registry
-from specaudit.distribution.analysis import analyze
+from specaudit.distribution.analysis import analyse
 from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.coverage import (
     NOT_COVERED,
@@ -157,7 +157,7 @@ __all__ = [
     "TokenRow",
     "Truth",
     "Workload",
-    "analyze",
+    "analyse",
     "check_paths",
     "collect",
     "context_rows",

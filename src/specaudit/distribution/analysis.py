@@ -75,7 +75,7 @@ class _MonteCarlo:
     stop_hits: int
 
 
-def analyze(
+def analyse(
     spec: fixtures.FixtureSpec,
     workload: Workload,
     samples: Sequence[Sample] | OutcomeCounts,
@@ -327,7 +327,7 @@ def _holm(tests: list[TestResult], alpha: float) -> list[float]:
 
 
 def family_size(truth: Truth) -> int:
-    """How many tests `analyze` puts in its Holm family for this fixture and workload: the
+    """How many tests `analyse` puts in its Holm family for this fixture and workload: the
     positions, the joint, the draft direction (unless the draft equals the target), the
     history tests, the seed pairs."""
     wl = truth.workload
@@ -382,7 +382,7 @@ def _evidence(truth: Truth, counts: OutcomeCounts) -> list[ImpossibleOutcome]:
 
 
 __all__ = [
-    "analyze",
+    "analyse",
     "family_size",
     "generic_power",
 ]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.distribution.analysis import analyze
+from specaudit.distribution.analysis import analyse
 from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.engines import Engine, engine_error
 from specaudit.distribution.results import (
@@ -152,7 +152,7 @@ async def measure_async(
     finally:
         await engine.aclose()
     seconds = time.perf_counter() - t0
-    res = analyze(
+    res = analyse(
         spec, workload, tally,
         alpha=alpha, tolerance=tolerance, engine=engine.label, kind=engine.kind, seconds=seconds,
     )  # fmt: skip

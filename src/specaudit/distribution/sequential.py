@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specaudit import fixtures, stats
-from specaudit.distribution.analysis import analyze, family_size
+from specaudit.distribution.analysis import analyse, family_size
 from specaudit.distribution.bounds import certified_bounds
 from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.direction import draft_score
@@ -140,7 +140,7 @@ class Sequential:
             self.look_draws = int(
                 min(MC_CAP, max(self.mc_draws, math.ceil(MC_RESOLUTION * self.family / level)))
             )
-            fixed = analyze(
+            fixed = analyse(
                 truth.spec, self.workload, self.tally, alpha=level, mc_draws=self.look_draws,
                 mc_stop_hits=MC_STOP_HITS,
             )  # fmt: skip

@@ -1,6 +1,6 @@
 """The verdict in words: the reason line, the evidence for a forbidden token, the power.
 
-Pure formatting of what `analysis.analyze` decided; no test is run here.
+Pure formatting of what `analysis.analyse` decided; no test is run here.
 """
 
 from __future__ import annotations
