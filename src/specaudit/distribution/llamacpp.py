@@ -16,7 +16,7 @@ from pathlib import Path
 from specaudit import fixtures
 from specaudit.distribution import coverage
 from specaudit.distribution.engines import ExampleEngine, ServerEngine
-from specaudit.distribution.openai import fleet
+from specaudit.distribution.openai import url_fleet
 from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
 from specaudit.distribution.results import DistError
@@ -194,15 +194,7 @@ def _build_example(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, N
 
 
 def _build_url(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
-    spec, wl = req.fixture.spec, req.workload
-    yield Unit(
-        fleet(
-            [
-                ServerEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
-                for u in req.urls
-            ]
-        )
-    )
+    yield Unit(url_fleet(ServerEngine, req))
 
 
 # --------------------------------------------------------------------------- the table

@@ -11,7 +11,7 @@ nothing either way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -184,16 +184,17 @@ def fleet(members: Sequence[Engine]) -> Engine:
     return members[0] if len(members) == 1 else FleetEngine(list(members))
 
 
-def _build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+def url_fleet(make: Callable[..., Engine], req: DistRequest) -> Engine:
+    """One engine of kind `make` per `--url` of the request, as one engine (`fleet`): the
+    build of every engine that samples running servers."""
     spec, wl = req.fixture.spec, req.workload
-    yield Unit(
-        fleet(
-            [
-                OpenAIEngine(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout)
-                for u in req.urls
-            ]
-        )
+    return fleet(
+        [make(u, spec, wl, concurrency=req.concurrency, timeout=req.timeout) for u in req.urls]
     )
+
+
+def _build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    yield Unit(url_fleet(OpenAIEngine, req))
 
 
 OPENAI = EngineEntry(
@@ -217,4 +218,5 @@ __all__ = [
     "fixture_model",
     "fleet",
     "register_engines",
+    "url_fleet",
 ]
