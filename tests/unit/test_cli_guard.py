@@ -413,7 +413,7 @@ def test_ab_against_a_backend_that_never_answers_times_out_in_one_line(
 ) -> None:
     _, good = served_recorder
     with serve_tcp(_hang) as hanging:
-        r = cli("ab", "--plain", hanging.url, "--spec", good, "--timeout", "1")
+        r = cli("ab", "--plain", hanging.url, "--spec", good, "--timeout", "0.5")
     assert "timed out" in one_error_line(r)
 
 
@@ -435,7 +435,7 @@ def test_dist_against_a_backend_that_never_answers_times_out_in_one_line(
     cli: CliFn, cache: Path
 ) -> None:
     with serve_tcp(_hang) as hanging:
-        r = cli("dist", "--engine", "url", "--url", hanging.url, "--timeout", "1")
+        r = cli("dist", "--engine", "url", "--url", hanging.url, "--timeout", "0.5")
     assert "timed out" in one_error_line(r)
 
 
@@ -445,7 +445,7 @@ def test_dist_against_a_backend_that_never_answers_times_out_in_one_line(
 # line naming the timeout. `matrix` and `audit` take no URL: they talk only to the llama-servers
 # they start themselves, whose start is bounded by `LlamaServer.startup_timeout` and whose
 # requests go through `check.run`, `ServerEngine` and `Client`, each with a finite timeout.
-BOUND = 120  # seconds any of these commands may take against a hanging server (--timeout 1)
+BOUND = 120  # seconds any of these commands may take against a hanging server (--timeout 0.5)
 
 
 def _specaudit(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -473,7 +473,7 @@ def test_every_command_given_a_server_ends_with_a_one_line_timeout_against_one_t
 ) -> None:
     with serve_tcp(_hang) as hanging:
         args = [a.replace("{url}", hanging.url) for a in command]
-        r = _specaudit(*args, "--timeout", "1", env={"SPECAUDIT_CACHE": str(cache)})
+        r = _specaudit(*args, "--timeout", "0.5", env={"SPECAUDIT_CACHE": str(cache)})
     assert "timed out" in one_error_line(r, EXIT_NO_DECISION)
 
 

@@ -307,12 +307,12 @@ def running(h: sa.SpecauditRouting) -> bool:
 def test_roles_read_at_start_and_periodically_off_the_loop(
     registered: Callable[..., sa.SpecauditRouting], silent: str
 ) -> None:
-    h = registered(check_interval=0.3, check_timeout=3.0)
+    h = registered(check_interval=0.3, check_timeout=1.0)
     closed = f"http://127.0.0.1:{free_port()}"
 
     async def build_on_a_loop() -> None:
         # as in the proxy, the Router is built on the running loop: the checks of a server
-        # that never answers must not hold it up (its check ends "down" after 3 s; had the
+        # that never answers must not hold it up (its check ends "down" after 1 s; had the
         # build or the loop waited for it, the role would no longer be unknown)
         _router([closed, silent])
         assert h.roles[silent].state == "unknown"

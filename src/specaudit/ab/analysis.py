@@ -30,8 +30,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from scipy import stats
-
 from specaudit import logprobs as lp
 from specaudit import validate
 from specaudit.errors import SpecauditError
@@ -271,6 +269,8 @@ def t_interval(xs: Sequence[float], confidence: float = CONFIDENCE) -> tuple[flo
     sd = statistics.stdev(xs)
     if sd == 0:
         return (m, m)
+    from scipy import stats  # here, not at import: `specaudit ab`'s start-up and errors
+
     lo, hi = stats.t.interval(confidence, n - 1, loc=m, scale=sd / math.sqrt(n))
     return (float(lo), float(hi))
 
@@ -306,6 +306,8 @@ def paired(
             else:
                 p = 0.0
         else:
+            from scipy import stats
+
             p = float(stats.ttest_1samp(d, 0.0, alternative=alternative).pvalue)
     return Delta(name, n, m, ci[0] if ci else None, ci[1] if ci else None, p, alternative)
 
