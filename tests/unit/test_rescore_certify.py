@@ -14,7 +14,7 @@ from scipy import integrate, stats
 from specaudit.reference import NextToken
 from specaudit.rescore import analysis, certify
 from specaudit.rescore.records import TokenDraw
-from specaudit.stats.tv import conditional_tv_bound
+from specaudit.stats.tv import conditional_tv_bound, samples_needed
 
 ALPHA = 0.01
 TOL = certify.DEFAULT_TOLERANCE
@@ -128,6 +128,8 @@ def test_needed_null_tokens_bring_the_favourite_and_tv_bounds_within_tolerance()
     assert tv is not None and not tv.within and tv.needed is not None
     again = certify.tv_bound([(rng.multinomial(tv.needed, probs), probs)], ALPHA, TOL)
     assert again is not None and again.within
+    # the same projection as stats.tv.samples_needed, up to the time-uniform margin's shape
+    assert tv.needed == pytest.approx(samples_needed(40, tv.upper, TOL), rel=0.1)
 
 
 def _step_run(n: int, shift: float, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
