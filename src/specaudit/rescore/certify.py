@@ -38,6 +38,15 @@ once (Howard, Ramdas, McAuliffe and Sekhon 2021, "Time-uniform, nonparametric, n
 confidence sequences", the normal mixture; `mixture_radius`). Nothing assumes independence or
 identical distributions: martingale differences are enough, which is what a sampled token's
 PIT is given the tokens before it. rho is tuned once (`DESIGN_TOKENS`), never from the data.
+
+Assumptions, all bounds: the reference's probabilities are the truth the engine is compared
+with (from the record, never from the engine); the PIT's randomisation V is drawn
+independently of the engine (`analysis` draws it from a fixed seed); the tokens are given in
+sampling order, and "given the past" means given everything sampled before, in every seed:
+seeds that share random numbers across prompts (docs/rescore.md, "PIT") make a token depend
+on another prompt's tokens, which these bounds count as part of the deviation (they stay
+valid, only larger). The PIT bound and the favourite's hold at every n at once, so at any
+stopping time; the repeated-prefix TV at a number of seeds fixed in advance.
 """
 
 from __future__ import annotations
