@@ -126,9 +126,11 @@ def truth(sc: Scenario, run: dict, n: int, probs: np.ndarray) -> tuple[float, fl
     return dist, fav, band
 
 
-def look(sc: Scenario, run: dict, n: int, probs: np.ndarray, alpha: float) -> tuple[dict, bool]:
+def look(
+    sc: Scenario, run: dict, n: int, probs: np.ndarray, alpha: float
+) -> tuple[dict, bool, dict]:
     """Which bounds miss their true value over the first n steps; whether the sequential
-    bounds (PIT and favourite) are within the tolerance."""
+    bounds (PIT and favourite) are within the tolerance; each bound's (truth, upper)."""
     start = run["types"][:n] == POOL
     counts = np.bincount(run["toks"][:n][start], minlength=K)
     cert = certify.certify(
@@ -151,7 +153,9 @@ def look(sc: Scenario, run: dict, n: int, probs: np.ndarray, alpha: float) -> tu
         "fav fixed-n": abs(mean - true_fav) > naive_fav,
     }
     missed["joint"] = missed["pit"] or missed["fav"]
-    return missed, pit.within and fav.within
+    values = {"pit": (true_pit, pit.upper), "fav": (abs(true_fav), fav.upper),
+              "tv": (true_tv, tv.upper)}  # fmt: skip
+    return missed, pit.within and fav.within, values
 
 
 def one_run(sc: Scenario, args: argparse.Namespace, rng: np.random.Generator) -> dict:
@@ -160,13 +164,16 @@ def one_run(sc: Scenario, args: argparse.Namespace, rng: np.random.Generator) ->
     run = sample(sc, args.tokens, probs, rng)
     ever = dict.fromkeys(BOUNDS, False)
     stop: dict[str, bool] | None = None
+    stop_n = None
     missed: dict[str, bool] = {}
+    values: dict = {}
     for n in range(args.look, args.tokens + 1, args.look):
-        missed, within = look(sc, run, n, probs, args.alpha)
+        missed, within, values = look(sc, run, n, probs, args.alpha)
         ever = {b: ever[b] or missed[b] for b in BOUNDS}
         if stop is None and within:
-            stop = missed
-    return {"end": missed, "stop": stop if stop is not None else missed, "ever": ever}
+            stop, stop_n = missed, n
+    return {"end": missed, "stop": stop if stop is not None else missed, "ever": ever,
+            "stop_n": stop_n, "values": values}  # fmt: skip
 
 
 SEQUENTIAL = ("pit", "fav", "joint")  # asserted at every time; "tv" at the end only
@@ -179,10 +186,16 @@ def level_of(bound: str, alpha: float) -> float:
 def study(sc: Scenario, args: argparse.Namespace, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     misses = Misses()
+    stops: list[int] = []
+    values: dict[str, list] = {"pit": [], "fav": [], "tv": []}
     for _ in range(args.runs):
         out = one_run(sc, args, rng)
         for time_ in ("end", "stop", "ever"):
             misses.add(time_, out[time_])
+        if out["stop_n"] is not None:
+            stops.append(out["stop_n"])
+        for b in values:
+            values[b].append(out["values"][b])
     rows = []
     for b in BOUNDS:
         level = level_of(b, args.alpha)
@@ -191,11 +204,20 @@ def study(sc: Scenario, args: argparse.Namespace, seed: int) -> dict:
         checked = [misses.counts[b][t] <= limit for t in times]
         rows.append({"bound": b, "level": level, "limit": limit, **misses.counts[b],
                      "checked": list(times), "passed": all(checked)})  # fmt: skip
-    return {"scenario": sc.name, "runs": args.runs, "rows": rows}
+    means = {b: np.mean(np.array(v), axis=0).tolist() for b, v in values.items()}
+    median = float(np.median(stops)) if stops else None
+    return {"scenario": sc.name, "runs": args.runs, "rows": rows, "stopped": len(stops),
+            "median_stop": median, "end_means": means}  # fmt: skip
 
 
 def print_table(result: dict, seconds: float) -> None:
     print(f"\n{result['scenario']} ({result['runs']} runs, {seconds:.0f} s)")
+    means = ", ".join(f"{b} {t:.3f} / {u:.3f}" for b, (t, u) in result["end_means"].items())
+    print(f"  at the end, mean true value / upper bound: {means}")
+    print(
+        f"  the PIT and favourite bounds came within the tolerance in {result['stopped']} runs "
+        f"(median at {result['median_stop']} tokens)"
+    )
     print(f"  {'bound':<12} {'level':>6} {'end':>5} {'stop':>5} {'ever':>5} {'limit':>5}  check")
     for r in result["rows"]:
         check = ("pass" if r["passed"] else "FAIL") + f" ({', '.join(r['checked'])})"
