@@ -247,3 +247,18 @@ def test_certificate_states_every_bound_and_what_it_cannot_see() -> None:
 def test_certify_refuses_levels_out_of_range(alpha: float, tolerance: float) -> None:
     with pytest.raises(ValueError):
         certify.certify([0.5], [1.0], [0.5], alpha=alpha, tolerance=tolerance)
+
+
+def test_certificate_needed_counts_all_tokens_for_the_repeated_prefix_tv() -> None:
+    """The TV's `needed` counts draws at repeated prefixes; the certificate's counts tokens,
+    so a TV that binds is scaled by the share of tokens at repeated prefixes."""
+    rng = np.random.default_rng(4)
+    n = 20_000
+    p = rng.uniform(0.2, 0.9, n)
+    probs = [0.6, 0.3, 0.1]
+    cert = certify.certify(
+        rng.random(n), rng.random(n) < p, p, [(rng.multinomial(50, probs), probs)]
+    )
+    pit, fav, tv = cert.bounds
+    assert pit.within and fav.within and not tv.within and tv.needed is not None
+    assert cert.needed == math.ceil(tv.needed * n / 50)
