@@ -27,6 +27,13 @@ of those two, at fixed n for the repeated-prefix TV (a fixed-n bound; its "ever"
 printed only).
 
     .venv/bin/python benchmarks/bench_rescore_coverage.py [--runs 1000] [--tokens 1000]
+
+Measured (defaults: 1000 runs of 1000 tokens per scenario, looks every 50, alpha 0.1, about
+2 min on a shared 2-core machine): the certified bounds missed at most 8 / 1000 times at any
+time (the favourite's, "ever", toward the tail; the PIT bound and the TV never), against the
+99.9 % limit 52 at level 0.033: conservative. The fixed-n DKW band missed 40 / 1000 at the
+end (its nominal 33) but 169-188 / 1000 "ever"; fixed-n Hoeffding on the favourite 17-32.
+Mean upper bounds at 1000 tokens: PIT 0.110 (null) to 0.182, favourite 0.062 to 0.121.
 """
 
 from __future__ import annotations
