@@ -52,6 +52,20 @@ def test_every_bug_factor_has_mean_one_under_the_reference() -> None:
         np.testing.assert_allclose(means, 1.0, atol=1e-12)
 
 
+def test_rounding_never_makes_a_factor_negative() -> None:
+    """A floor above every q keeps all of q: the accepted mass sums to 1 up to rounding, and
+    the leftover (1 - that sum, a few 1e-16 below 0) must not put negative mass on the tokens
+    only the residual reaches (p > 0 = q)."""
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        p = rng.dirichlet(np.ones(30))
+        q = np.full(30, 1 / 25) + rng.uniform(-1e-3, 1e-3, 30)
+        q[25:] = 0.0
+        ratios, xs = _ratios_at_every_token(p, q / q.sum())
+        assert np.all(ratios >= 0) and np.all(np.isfinite(ratios))
+        np.testing.assert_allclose(p[xs] @ ratios, 1.0, atol=1e-12)
+
+
 def test_the_noise_bound_keeps_the_factor_mean_at_most_one() -> None:
     """An engine whose correct distribution p' differs from the reference's p (quantisation
     noise) breaks the exact mean; dividing by 1 - lambda + lambda rho, with rho bounding

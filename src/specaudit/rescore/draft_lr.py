@@ -116,7 +116,7 @@ def after_rejection(
     """The marginal of a sampler that outputs `accepted` (the draft's probability times its
     acceptance probability, per token) and, with the rest of the mass, draws from `residual`
     (the correct one by default)."""
-    rest = 1.0 - accepted.sum(axis=-1, keepdims=True)
+    rest = np.maximum(1.0 - accepted.sum(axis=-1, keepdims=True), 0.0)  # rounding: never < 0
     return accepted + rest * (s.residual if residual is None else residual)
 
 
@@ -266,7 +266,7 @@ def conditioned(r: np.ndarray, p: np.ndarray) -> np.ndarray:
     """r restricted to the reference's support {p > 0} and renormalised (p itself where r has
     no mass there): the part of a bug that tokens the reference allows can show, and what
     makes every factor's mean under p exactly 1."""
-    on = np.where(p > 0, r, 0.0)
+    on = np.where(p > 0, np.maximum(r, 0.0), 0.0)
     mass = on.sum(axis=-1, keepdims=True)
     return np.where(mass > 0, on / np.where(mass > 0, mass, 1.0), _normalised(p))
 
