@@ -304,6 +304,8 @@ def test_bad_inputs_are_refused() -> None:
         dl.likelihood_ratios(p, q, np.array([2]))
     with pytest.raises(ValueError, match="alpha"):
         dl.evidence_from_ratios(np.ones((1, len(dl.CATALOGUE))), 1.5)
+    with pytest.raises(ValueError, match="ratio columns"):
+        dl.evidence_from_ratios(np.ones((1, 3)), 0.05)
     with pytest.raises(ValueError, match="ratio_bound"):
         dl.log_paths(np.ones((1, 1)), ratio_bound=0.9)
     with pytest.raises(ValueError, match="lambdas"):

@@ -151,6 +151,9 @@ def _argmax_proposal(s: Parts) -> np.ndarray:
 
 
 def _tail_residual(s: Parts, k: int) -> np.ndarray:
+    """Rejections draw from max(0, p - q) on p's k most likely tokens (ties: the first in the
+    support's order), renormalised; where those have no residual mass the buggy sampler has
+    nothing to truncate and is taken to draw from the full residual."""
     top = np.argsort(-s.p, axis=-1, kind="stable")[..., :k]
     mask = np.zeros_like(s.p)
     np.put_along_axis(mask, top, 1.0, axis=-1)
@@ -375,6 +378,8 @@ def evidence_from_ratios(
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha {alpha} is not in (0, 1)")
     n = ratios.shape[0]
+    if n and ratios.shape[1] != len(bugs):
+        raise ValueError(f"{ratios.shape[1]} ratio columns for {len(bugs)} bugs")
     if n == 0:
         return DraftEvidence(1.0, 1.0, None, {}, None, None, 0, excluded, without_draft, alpha)
     paths = log_paths(ratios, lambdas, ratio_bound)
