@@ -19,8 +19,11 @@ re-scored analysis declares them BROKEN on its own).
              of runs caught within N tokens, and how often the most evidence names the bug's
              family
 
+    compare  (--compare) today's sequential PIT e-process (`rescore.analysis`, the draft's
+             favourite taken as q's argmax) on the same bug runs, for scale
+
     .venv/bin/python benchmarks/bench_rescore_draft.py [--null-runs 500] [--runs 40]
-        [--tokens 3000] [--alpha 0.01] [--json FILE]
+        [--tokens 3000] [--alpha 0.01] [--compare] [--bugs NAME,...] [--json FILE]
 
 Exit 1 when the null's alarms exceed the binomial(runs, alpha) 99.9 % quantile.
 """
@@ -38,7 +41,10 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from specaudit.reference import NextToken
+from specaudit.rescore import analysis
 from specaudit.rescore import draft_lr as dl
+from specaudit.rescore.records import TokenDraw
 
 VOCAB = 128
 TOP_K = 40
@@ -195,10 +201,11 @@ class Row:
     impossible: int
     tokens: int
     accept_rate: float
+    pit_crossings: list[int | None] | None = None  # today's sequential PIT e-process (--compare)
 
     def median(self) -> float:
         """Median tokens to BROKEN, runs that never crossed counted as infinite."""
-        return float(np.median([math.inf if c is None else c for c in self.crossings]))
+        return _median(self.crossings)
 
     def to_json(self) -> dict[str, object]:
         med = self.median()
@@ -212,25 +219,52 @@ class Row:
             "impossible_per_1k": 1000 * self.impossible / self.tokens,
             "accept_rate": self.accept_rate,
             "crossings": self.crossings,
+            "pit_median_tokens_to_broken": (
+                None if self.pit_crossings is None else _finite(_median(self.pit_crossings))
+            ),
+            "pit_crossings": self.pit_crossings,
         }
+
+
+def _median(crossings: list[int | None]) -> float:
+    return float(np.median([math.inf if c is None else c for c in crossings]))
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x
+
+
+def pit_crossing(m: Model, tokens: np.ndarray, alpha: float) -> int | None:
+    """Tokens until today's sequential e-process (`rescore.analysis`, on PIT values and the
+    draft's favourite, here the argmax of q) first reached 1/alpha, on the same run."""
+    draws = []
+    for i, x in enumerate(tokens):
+        nz = np.flatnonzero(m.p[i])
+        ref = NextToken({int(j): float(m.p[i, j]) for j in nz})
+        fav = int(np.argmax(m.q[i]))
+        draws.append(TokenDraw(0, 0, i, str(i), int(x), ref, draft_favourite=fav))
+    return analysis.analyse(draws, alpha=alpha, sequential=True).crossed_at
 
 
 def run_bug(s: Sampler, args: argparse.Namespace, seed: int) -> Row:
     rng = np.random.default_rng(seed)
     crossings: list[int | None] = []
     named: list[str | None] = []
+    pit: list[int | None] = []
     impossible = drafted = kept = 0
     for _ in range(args.runs):
         m = make_model(rng, args.tokens, args.sigma)
         toks, dr, kp = speculate(rng, m, s, args.draft_k)
         ev = evidence(m, toks, args.alpha)
+        if args.compare:
+            pit.append(pit_crossing(m, toks, args.alpha))
         crossings.append(ev.crossed_at)
         named.append(dl.BUGS[ev.best_bug].family if ev.best_bug else None)
         impossible += ev.excluded
         drafted, kept = drafted + dr, kept + kp
-    return Row(
-        s.name, s.family, crossings, named, impossible, args.runs * args.tokens, kept / drafted
-    )
+    total = args.runs * args.tokens
+    compared = pit if args.compare else None
+    return Row(s.name, s.family, crossings, named, impossible, total, kept / drafted, compared)
 
 
 @dataclass(frozen=True)
@@ -286,21 +320,29 @@ def run_null(args: argparse.Namespace) -> Null:
 
 
 def _table(rows: list[Row], tokens: int) -> None:
+    compare = any(r.pit_crossings is not None for r in rows)
+    extra = " today's PIT e-process |" if compare else ""
     print(
         f"| bug | family | median tokens to BROKEN | caught <= {tokens} | family named | "
-        "impossible / 1k | draft kept |"
+        f"impossible / 1k | draft kept |{extra}"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|" + ("---|" if compare else ""))
     for r in rows:
         j = r.to_json()
-        med = j["median_tokens_to_broken"]
         named = f"{j['named_family']}/{j['runs']}" if r.family else "-"
-        print(
-            f"| {r.name} | {r.family or '(not in catalogue)'} | "
-            f"{f'{med:.0f}' if med is not None else f'>{tokens}'} | {j['caught']}/{j['runs']} | "
-            f"{named} | {j['impossible_per_1k']:.1f} | {r.accept_rate:.0%} |",
-            flush=True,
+        line = (
+            f"| {r.name} | {r.family or '(not in catalogue)'} | {_cell(r.median(), tokens)} | "
+            f"{j['caught']}/{j['runs']} | {named} | {j['impossible_per_1k']:.1f} | "
+            f"{r.accept_rate:.0%} |"
         )
+        if r.pit_crossings is not None:
+            caught = sum(c is not None for c in r.pit_crossings)
+            line += f" {_cell(_median(r.pit_crossings), tokens)} ({caught}/{j['runs']}) |"
+        print(line, flush=True)
+
+
+def _cell(median: float, tokens: int) -> str:
+    return f">{tokens}" if math.isinf(median) else f"{median:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,13 +355,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, default=0.5, help="the draft's logit noise")
     ap.add_argument("--alpha", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run today's sequential PIT e-process (rescore.analysis) on every bug run",
+    )
+    ap.add_argument("--bugs", help="comma-separated bug names (default: all)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    names = args.bugs.split(",") if args.bugs else [s.name for s in BUGGED]
+    unknown = set(names) - {s.name for s in BUGGED}
+    if unknown:
+        ap.error(f"unknown bugs: {', '.join(sorted(unknown))}")
     t0 = time.perf_counter()
     null = run_null(args)
     print(f"{null.line()} ({time.perf_counter() - t0:.0f} s)", flush=True)
     t1 = time.perf_counter()
-    rows = [run_bug(s, args, args.seed + 1 + i) for i, s in enumerate(BUGGED)]
+    rows = [run_bug(s, args, args.seed + 1 + i) for i, s in enumerate(BUGGED) if s.name in names]
     print(
         f"\nbugs ({args.runs} runs each, up to {args.tokens} tokens, draft length "
         f"{args.draft_k}, alpha = {args.alpha}, {time.perf_counter() - t1:.0f} s):\n",

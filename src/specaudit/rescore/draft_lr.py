@@ -20,9 +20,9 @@ distributions (p_i, q_i) multiplies
 
 and the e-value is the average of these products with fixed prior weights (each bug family
 the same weight, split evenly over its members and over `LAMBDAS`). lambda is the share of
-tokens that pass through the faulty path: bonus tokens, undrafted positions and tokens after
-a rejection elsewhere in the block come from p, so a real bug shows as (1 - lambda) p +
-lambda r_b with lambda unknown; a grid that reaches 1.0 covers a bug on every token.
+tokens that pass through the faulty path: bonus tokens (after all k drafts were kept) and
+undrafted positions come from p, so a real bug shows as (1 - lambda) p + lambda r_b with
+lambda unknown (at most k / (k + 1)); a grid that reaches 1.0 covers a bug on every token.
 
 Why it is valid (the null: every x_i ~ p_i given everything before it). p_i and q_i are
 functions of the prefix, so they are known before x_i is drawn (predictable). Each r_b is
@@ -55,7 +55,8 @@ What it cannot see: bugs that are not a change of the next-token marginal given 
 off by one position or a context that loses a token: p itself is the wrong one). The draft's
 raw softmax used in the acceptance (q-raw) is covered approximately: with a top-k draft its
 q_raw = Z q (Z < 1, the raw mass of the draft's top-k), an acceptance min(1, p / (Z q)), a
-member of the scaled-acceptance family with c = 1/Z.
+member of the scaled-acceptance family with c = 1/Z (Z varies by prefix, and that bug's
+residual max(0, p - q_raw) differs too; the benchmark simulates it as it is).
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ from scipy import special
 
 from specaudit.rescore.records import TokenDraw
 
-# the mixing weights lambda: the share of tokens through the faulty path (1.0: every token)
-LAMBDAS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
+# the mixing weights lambda: the share of tokens through the faulty path (1.0: every token).
+# 0.65 / 0.8 / 0.9 are there because a bug in the draft's path spares the bonus token: with
+# every draft kept, k drafts per verification put k / (k + 1) of tokens through it (2, 4, 9);
+# without them a leak at 0.8 was fitted better by ratio-inverted at 1.0 (named 2/40 times,
+# 40/40 with them, benchmarks/bench_rescore_draft.py)
+LAMBDAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0)
 ACCEPT_CS = (0.8, 1.25, 1.5, 2.0)  # acceptance min(1, c p / q)
 TAIL_TOPS = (4, 16)  # the residual restricted to p's k most likely tokens
 THETAS = (-0.4, -0.2, 0.2, 0.5)  # r proportional to p^(1 + theta)
