@@ -29,7 +29,10 @@ class TokenDraw:
     this one): equal keys are repeated prefixes (per-position G-tests pool them). `draft_token`
     is the draft's proposal at this position when the engine reports it (None otherwise);
     `draft_favourite` the draft model's most likely token for this prefix when known (with a
-    model that is its own draft, the reference's argmax).
+    model that is its own draft, the reference's argmax). `draft` is the draft's processed
+    next-token distribution at this exact prefix (what it proposes from, after its own sampler
+    chain), when known: an engine that reports it, or a drafter served apart; with it the bugs
+    speculation makes have known shapes in (ref, draft) (`rescore.draft_lr`).
     """
 
     seed: int
@@ -40,6 +43,7 @@ class TokenDraw:
     ref: NextToken
     draft_token: int | None = None
     draft_favourite: int | None = None
+    draft: NextToken | None = None
 
 
 # prefix ids -> the draft's favourite next token, where the drafter is known (a fixture's)
