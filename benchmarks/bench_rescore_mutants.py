@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = dict(
                     url=srv.url, reference_url=fref.url, prompt_ids=[spec.tokenize(spec.prompt)],
                     tokens=4, sampler=REPORT_SAMPLER, alpha=ALPHA,
-                    favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
+                    draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
                 )  # fmt: skip
                 res = rescore_looks(
                     base, args.fixture_seeds, FIRST_LOOK, stop_early, args.seed_start

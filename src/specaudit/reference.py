@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
@@ -245,6 +245,15 @@ async def aread_next_token(
         if not held_back(ans):
             break
     return parse_next_token(ans, post=post), n
+
+
+class NextTokenSource(Protocol):
+    """Anything that answers a prefix's processed next-token distribution: the reference
+    (`Reference`), a draft model served as one, a fixture's closed form
+    (`rescore.fixture.FixtureDraft`). Re-scoring asks the reference for p and, where the
+    draft is known, the draft for q through this one interface."""
+
+    async def next_token(self, ids: Sequence[int]) -> NextToken: ...
 
 
 class Reference:
@@ -502,6 +511,7 @@ __all__ = [
     "MAX_SUPPORT",
     "ModelIdentity",
     "NextToken",
+    "NextTokenSource",
     "Reference",
     "ReferenceUnusable",
     "ServerReference",

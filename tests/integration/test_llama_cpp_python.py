@@ -113,7 +113,7 @@ def test_rescore_openai_engine_on_llama_cpp_python(
         tokens=4,
         sampler=REPORT_SAMPLER,
         model=models["data"][0]["id"],
-        favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
+        draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
     )
     res = runner.run(req)
     assert res.error is None and res.stats is not None

@@ -39,7 +39,7 @@ def _fixture_request(
         seeds=seeds,
         tokens=4,
         sampler=REPORT_SAMPLER,
-        favourite=fixture_ref.draft_favourite(spec, REPORT_SAMPLER),
+        draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
     )
 
 

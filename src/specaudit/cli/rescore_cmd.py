@@ -126,6 +126,20 @@ class _RescoreCommand(click.Command):
     help="The same GGUF: specaudit serves it as a plain llama-server itself.",
 )
 @click.option(
+    "--draft-url",
+    type=URL,
+    default=None,
+    metavar="URL",
+    help="A plain llama-server serving the draft model: its distribution at every prefix aims "
+    "the tests at the bugs speculation makes (never needed for their validity).",
+)
+@click.option(
+    "--draft-model",
+    type=SafePath(dir_okay=False),
+    default=None,
+    help="The draft's GGUF: specaudit serves it as a plain llama-server itself.",
+)
+@click.option(
     "--self",
     "self_check",
     is_flag=True,
@@ -149,6 +163,13 @@ class _RescoreCommand(click.Command):
 @click.option("--top-p", type=FiniteFloat(min=0, max=1, min_open=True), default=1.0)
 @click.option("--min-p", type=FiniteFloat(min=0, max=1, max_open=True), default=0.0)
 @click.option("--alpha", type=FiniteFloat(min=0, max=0.5, min_open=True), default=0.01)
+@click.option(
+    "--tolerance",
+    type=FiniteFloat(min=0, max=1, min_open=True, max_open=True),
+    default=None,
+    help="The largest deviation PRESERVED may leave unexcluded (default: dist's, 0.15); "
+    "a bound above it is INCONCLUSIVE, with the tokens that would decide.",
+)
 @click.option("--sequential", is_flag=True, help="Decide by the anytime-valid e-process.")
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
 @click.option("--model-name", default="model", help="OpenAI model name (--engine openai).")
@@ -164,6 +185,8 @@ def command(
     engine: str,
     reference_url: str | None,
     reference_model: Path | None,
+    draft_url: str | None,
+    draft_model: Path | None,
     self_check: bool,
     prompts: tuple[str, ...],
     seeds: int,
@@ -173,6 +196,7 @@ def command(
     top_p: float,
     min_p: float,
     alpha: float,
+    tolerance: float | None,
     sequential: bool,
     concurrency: int,
     model_name: str,
@@ -201,19 +225,17 @@ def command(
 
     sampler = SamplerSettings(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
     if dist_engines:
-        if self_check:
-            raise click.UsageError("--self takes --url, not --dist-engine")
-        if engine != "server" or model_name != "model":
-            raise click.UsageError("--engine and --model-name go with --url, not --dist-engine")
-        if len(prompts) > 1:
-            raise click.UsageError("--dist-engine takes one --prompt (the fixture's letters)")
+        _refuse_url_only_options(
+            self_check=self_check, url_engine=engine != "server" or model_name != "model",
+            prompts=len(prompts), draft=bool(draft_url or draft_model),
+        )  # fmt: skip
         _dist(
             dist_engines, url=url, fixture=fixture, fixture_kind=fixture_kind, patches=patches,
             prompt=prompts[0] if prompts else None, reference_url=reference_url,
             reference_model=reference_model, seeds=seeds, tokens=tokens, sampler=sampler,
             alpha=alpha, sequential=sequential, concurrency=concurrency, timeout=timeout,
             plot=plot, as_json=as_json,
-            options={k: (v or None) for k, v in engine_options.items()},
+            options={k: (v or None) for k, v in engine_options.items()}, tolerance=tolerance,
         )  # fmt: skip
     given = [n for n, v in (("--fixture", fixture), ("--fixture-kind", fixture_kind)) if v]
     given += ["--patch"] if patches else []
@@ -226,7 +248,8 @@ def command(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
-        self_check=self_check,
+        draft_url=draft_url, draft_model=draft_model, self_check=self_check,
+        tolerance=tolerance,
     )  # fmt: skip
     total = req.seeds * req.n_prompts
     with sample_progress("re-scoring", total, unit="samples", quiet=as_json) as cb:
@@ -241,6 +264,20 @@ def command(
         console.print(f"error: {res.error}", markup=False, highlight=False)
     out.file.flush()
     raise SystemExit(res.exit_code)
+
+
+def _refuse_url_only_options(
+    *, self_check: bool, url_engine: bool, prompts: int, draft: bool
+) -> None:
+    """What --dist-engine cannot take (a usage error, exit 2)."""
+    if self_check:
+        raise click.UsageError("--self takes --url, not --dist-engine")
+    if url_engine:
+        raise click.UsageError("--engine and --model-name go with --url, not --dist-engine")
+    if prompts > 1:
+        raise click.UsageError("--dist-engine takes one --prompt (the fixture's letters)")
+    if draft:
+        raise click.UsageError("--dist-engine knows its fixture's draft: no --draft-url")
 
 
 def _dist(

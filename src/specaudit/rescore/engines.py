@@ -14,7 +14,7 @@ token ids with the fixture spec (a letter is its id; a special token its id; any
 short output or text outside the fixture, `NOT_A_TOKEN`), the sample cut after the first
 token that is not a letter (it has no letter prefix to ask the reference about). Every token is
 then re-scored by `rescore.runner` as any engine's is, the directed test aimed at the fixture
-draft's favourite (`rescore.fixture.draft_favourite`). Before sampling, the reference's
+draft's distribution (`rescore.fixture.FixtureDraft`). Before sampling, the reference's
 distribution for the prompt is compared with the closed form of the fixture the unit runs
 (the F16 copy for OpenVINO): the same-model probe. A new engine registered in `dist` is
 re-scorable as it is.
@@ -41,7 +41,8 @@ from specaudit.outcome import Outcome
 from specaudit.reference import Reference, start_reference
 from specaudit.rescore import runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
-from specaudit.rescore.fixture import draft_favourite, text_of
+from specaudit.rescore.certify import DEFAULT_TOLERANCE
+from specaudit.rescore.fixture import FixtureDraft, text_of
 from specaudit.rescore.records import RescoreError
 from specaudit.rescore.sampling import SeededGeneration
 from specaudit.rescore.spread import probe_difference
@@ -117,6 +118,7 @@ class EngineRescoreRequest:
     reference_model: Path | None = None
     alpha: float = DEFAULT_ALPHA
     sequential: bool = False
+    tolerance: float = DEFAULT_TOLERANCE
     concurrency: int = 4
     timeout: float = 60.0
 
@@ -162,6 +164,7 @@ def make_request(
     sampler: SamplerSettings = REPORT_SAMPLER,
     alpha: float = DEFAULT_ALPHA,
     sequential: bool = False,
+    tolerance: float | None = None,
     concurrency: int = 4,
     timeout: float = 60.0,
     jobs: int | None = None,
@@ -202,6 +205,7 @@ def make_request(
     return EngineRescoreRequest(
         dist=dist, reference_url=reference_url, reference_model=ref_model, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout,
+        tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
     )  # fmt: skip
 
 
@@ -279,8 +283,9 @@ def _rescore_unit(
         url=ref_url, engine=f"dist:{name}", reference_url=ref_url,
         prompts=(), prompt_ids=(tuple(spec.tokenize(wl.prompt)),), seeds=dist.seeds,
         seed_start=dist.seed_start, tokens=wl.tokens, sampler=wl.sampler, alpha=req.alpha,
-        sequential=req.sequential, concurrency=min(req.concurrency, max(1, eng.concurrency)),
-        timeout=req.timeout, label=eng.label, favourite=draft_favourite(truth, wl.sampler),
+        sequential=req.sequential, tolerance=req.tolerance,
+        concurrency=min(req.concurrency, max(1, eng.concurrency)),
+        timeout=req.timeout, label=eng.label, draft=FixtureDraft(truth, wl.sampler),
     )  # fmt: skip
 
     def cb(done: int, total: int) -> None:

@@ -1,6 +1,6 @@
-"""The fixture draft's favourite token, in closed form: where the draft is known, the
-re-scored test's directed part aims at what it really proposes. (The closed form as a
-reference is `specaudit.check.fidelity.FixtureReference`.)
+"""The fixture draft's distribution, in closed form: where the draft is known, the re-scored
+test's draft-aimed parts (the favourite, `rescore.draft_lr`) aim at what it really proposes.
+(The closed form as a reference is `specaudit.check.fidelity.FixtureReference`.)
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from specaudit import fixtures
 from specaudit.fixtures import FixtureSpec, SamplerSettings
-from specaudit.rescore.records import FavouriteFn, RescoreError
+from specaudit.reference import NextToken
+from specaudit.rescore.records import RescoreError
 
 
 def text_of(spec: FixtureSpec, ids: Sequence[int]) -> str:
@@ -20,15 +21,19 @@ def text_of(spec: FixtureSpec, ids: Sequence[int]) -> str:
     return "".join(spec.letters[i] for i in ids)
 
 
-def draft_favourite(spec: FixtureSpec, sampler: SamplerSettings) -> FavouriteFn:
-    """prefix ids -> the fixture draft's most likely next token under `sampler`."""
+class FixtureDraft:
+    """The fixture draft's processed next-token distribution q under `sampler` (token ids of
+    `spec`): a `reference.NextTokenSource` that needs no server."""
 
-    def fav(ids: Sequence[int]) -> int | None:
-        dist = fixtures.next_token_distribution(spec, text_of(spec, ids), sampler, "draft")
-        best = max(dist, key=lambda t: (dist[t], -spec.token_ids[t]))
-        return spec.token_ids[best]
+    def __init__(self, spec: FixtureSpec, sampler: SamplerSettings) -> None:
+        self.spec = spec
+        self.sampler = sampler
 
-    return fav
+    async def next_token(self, ids: Sequence[int]) -> NextToken:
+        dist = fixtures.next_token_distribution(
+            self.spec, text_of(self.spec, ids), self.sampler, "draft"
+        )
+        return NextToken(probs={self.spec.token_ids[t]: p for t, p in dist.items() if p > 0})
 
 
-__all__ = ["draft_favourite", "text_of"]
+__all__ = ["FixtureDraft", "text_of"]

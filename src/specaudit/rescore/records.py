@@ -9,7 +9,6 @@ on hand-made records.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specaudit.errors import SpecauditError
@@ -46,7 +45,4 @@ class TokenDraw:
     draft: NextToken | None = None
 
 
-# prefix ids -> the draft's favourite next token, where the drafter is known (a fixture's)
-FavouriteFn = Callable[[Sequence[int]], int | None]
-
-__all__ = ["FavouriteFn", "RescoreError", "TokenDraw"]
+__all__ = ["RescoreError", "TokenDraw"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from specaudit.outcome import Outcome
 from specaudit.reference import (
     ModelIdentity,
     NextToken,
+    NextTokenSource,
     Reference,
     ReferenceUnusable,
     aread_next_token,
@@ -33,7 +35,8 @@ from specaudit.reference import (
 )
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.records import FavouriteFn, RescoreError, TokenDraw
+from specaudit.rescore.certify import DEFAULT_TOLERANCE
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
 from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
@@ -72,7 +75,14 @@ class RescoreRequest:
     timeout: float = 60.0
     label: str | None = None
     model: str = "model"  # the OpenAI model name (--engine openai)
-    favourite: FavouriteFn | None = None
+    # the draft's processed distribution q at every prefix: a plain llama-server serving the
+    # draft model (`draft_url`, or `draft_model` that specaudit serves itself), or a source
+    # that needs no server (a fixture's closed form). q aims the tests at the bugs
+    # speculation makes; it never enters their validity, which rests on the reference alone
+    draft_url: str | None = None
+    draft_model: Path | None = None
+    draft: NextTokenSource | None = None
+    tolerance: float = DEFAULT_TOLERANCE
     # no reference: each token against the engine's own reported post-sampling distribution
     self_check: bool = False
 
@@ -99,7 +109,10 @@ def make_request(
     timeout: float = 60.0,
     label: str | None = None,
     model: str = "model",
-    favourite: FavouriteFn | None = None,
+    draft_url: str | None = None,
+    draft_model: Path | str | None = None,
+    draft: NextTokenSource | None = None,
+    tolerance: float | None = None,
     self_check: bool = False,
 ) -> RescoreRequest:
     """Check every input before anything is started (one-line RescoreError, exit 2)."""
@@ -113,6 +126,14 @@ def make_request(
     reference_url, ref_model = check_reference(
         reference_url, reference_model, required=not self_check
     )
+    draft_url, draft_path = check_draft(draft_url, draft_model)
+    if draft is not None and (draft_url or draft_path):
+        raise RescoreError("give one draft: a server, a model file or a closed form")
+    if self_check and (draft_url or draft_path or draft):
+        raise RescoreError("--self takes no draft")
+    tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    if not 0 < tolerance < 1:
+        raise RescoreError("--tolerance must be between 0 and 1")
     if prompt_ids and engine != "server":
         raise RescoreError("prompts as token ids need --engine server")
     ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
@@ -129,8 +150,8 @@ def make_request(
         url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
-        concurrency=concurrency, timeout=timeout, label=label, model=model, favourite=favourite,
-        self_check=self_check,
+        concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
+        draft_model=draft_path, draft=draft, tolerance=tolerance, self_check=self_check,
     )  # fmt: skip
 
 
@@ -151,6 +172,21 @@ def check_reference(
     if ref_model is not None and not ref_model.is_file():
         raise RescoreError(f"--reference-model {ref_model} is not a file")
     return reference_url, ref_model
+
+
+def check_draft(
+    draft_url: str | None, draft_model: Path | str | None
+) -> tuple[str | None, Path | None]:
+    """The draft of a re-scored run, checked (one-line RescoreError): at most one of a
+    parseable `draft_url` and an existing `draft_model` file."""
+    if draft_url is not None and draft_model is not None:
+        raise RescoreError("give at most one of --draft-url and --draft-model")
+    if draft_url is not None:
+        draft_url = validate.url(draft_url, "--draft-url", RescoreError)
+    path = Path(draft_model) if draft_model is not None else None
+    if path is not None and not path.is_file():
+        raise RescoreError(f"--draft-model {path} is not a file")
+    return draft_url, path
 
 
 def check_run(
@@ -257,15 +293,23 @@ def reference_refusals() -> Iterator[None]:
 
 
 def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResult:
-    """Run `req`, starting (and always stopping) a reference server when given a model."""
-    with reference_refusals():
+    """Run `req`, starting (and always stopping) a reference server when given a model, and
+    a draft server when given a draft model."""
+    with reference_refusals(), contextlib.ExitStack() as stack:
         if req.self_check:
             return asyncio.run(_run_self(req, progress))
+        if req.draft_model is not None:
+            draft_url = stack.enter_context(
+                start_reference(req.draft_model, parallel=req.concurrency)
+            )
+            req = dataclasses.replace(req, draft_url=draft_url, draft_model=None)
+        url = req.reference_url
         if req.reference_model is not None:
-            with start_reference(req.reference_model, parallel=req.concurrency) as url:
-                return asyncio.run(run_against(req, url, progress))
-        assert req.reference_url is not None
-        return asyncio.run(run_against(req, req.reference_url, progress))
+            url = stack.enter_context(
+                start_reference(req.reference_model, parallel=req.concurrency)
+            )
+        assert url is not None
+        return asyncio.run(run_against(req, url, progress))
 
 
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
@@ -304,10 +348,12 @@ async def run_against(
     passes a `dist` engine and the fixture's closed form); `engine` is closed once sampling
     starts."""
     t0 = time.monotonic()
-    async with Reference(
-        ref_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency
-    ) as ref:
+    async with (
+        Reference(ref_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency) as ref,
+        contextlib.AsyncExitStack() as stack,
+    ):
         ident = await ref.prepare()
+        draft = await _open_draft(req, ident, stack)
         eng_ident = await _engine_identity(req)
         if eng_ident is not None and (diff := ident.differences(eng_ident)):
             raise RescoreError(
@@ -345,7 +391,7 @@ async def run_against(
             noise_tv=tv_floor, noise_logprob=lp_floor,
         )  # fmt: skip
         try:
-            await _sample_and_rescore(req, sampler, ref, prompts, res, progress)
+            await _sample_and_rescore(req, sampler, (ref, draft), prompts, res, progress)
             if res.error is None:
                 await _split_boundary(
                     res, ref, n_probs, max(2 * lp_floor, BOUNDARY_MIN), req.timeout
@@ -357,6 +403,29 @@ async def run_against(
     if res.error is None:
         res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
     return res
+
+
+async def _open_draft(
+    req: RescoreRequest, ident: ModelIdentity, stack: contextlib.AsyncExitStack
+) -> NextTokenSource | None:
+    """The draft's distributions for the run: a plain llama-server serving the draft model
+    (checked as a reference is: it must not speculate, and it must share the reference's
+    vocabulary), else `req.draft` (a closed form), else None."""
+    if req.draft_url is None:
+        return req.draft
+    draft = await stack.enter_async_context(
+        Reference(req.draft_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency)
+    )
+    try:
+        d_ident = await draft.prepare()
+    except ReferenceUnusable as e:
+        raise RescoreError(f"the draft: {e}") from None
+    if (d_ident.n_vocab, d_ident.vocab_type) != (ident.n_vocab, ident.vocab_type):
+        raise RescoreError(
+            f"the draft {req.draft_url} does not share the reference's vocabulary "
+            f"(n_vocab {d_ident.n_vocab} vs {ident.n_vocab})"
+        )
+    return draft
 
 
 async def _split_boundary(
@@ -400,7 +469,7 @@ def generated_ids(res: RescoreResult, d: TokenDraw) -> list[int]:
     return [int(t) for t in key.split(",")] if key else []
 
 
-async def _ask(ref: Reference, prefix: Sequence[int]) -> NextToken:
+async def _ask(ref: NextTokenSource, prefix: Sequence[int]) -> NextToken:
     """The reference's answer, asked again once after a transport error: an in-process
     engine (transformers, OpenVINO) holds the event loop while it generates, long enough for
     the reference to close an idle keep-alive connection that is then reused (a ReadError).
@@ -429,7 +498,7 @@ async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) ->
 async def _sample_and_rescore(
     req: RescoreRequest,
     sampler: Sampler,
-    ref: Reference,
+    sources: tuple[Reference, NextTokenSource | None],
     prompts: list[list[int]],
     res: RescoreResult,
     progress: ProgressFn | None,
@@ -455,7 +524,7 @@ async def _sample_and_rescore(
         if ref_failed:
             return
         try:
-            draws[(seed, p)] = await _rescored(req, ref, seed, p, prompts[p], s.ids)
+            draws[(seed, p)] = await _rescored(sources, seed, p, prompts[p], s.ids)
         except (ClientError, ReferenceUnusable, RescoreError) as e:
             if not ref_failed:
                 ref_failed.append(str(e))
@@ -481,22 +550,23 @@ async def _sample_and_rescore(
 
 
 async def _rescored(
-    req: RescoreRequest,
-    ref: Reference,
+    sources: tuple[Reference, NextTokenSource | None],
     seed: int,
     prompt: int,
     prompt_ids: Sequence[int],
     ids: Sequence[int],
 ) -> list[TokenDraw]:
     """Every token of one generation with the reference's distribution for its exact prefix
-    (and the draft's favourite there, when the request knows it)."""
+    (and the draft's there, with its favourite, when the run knows the draft)."""
+    ref, draft = sources
     out = []
     for i, tok in enumerate(ids):
         prefix = [*prompt_ids, *ids[:i]]
         nt = await _ask(ref, prefix)
-        fav = req.favourite(prefix) if req.favourite else None
+        q = await _ask(draft, prefix) if draft is not None else None
+        fav = min(q.probs, key=lambda t: (-q.probs[t], t)) if q is not None and q.probs else None
         key = f"{prompt}:" + ",".join(map(str, ids[:i]))
-        out.append(TokenDraw(seed, prompt, i, key, tok, nt, draft_favourite=fav))
+        out.append(TokenDraw(seed, prompt, i, key, tok, nt, draft_favourite=fav, draft=q))
     return out
 
 
@@ -584,6 +654,7 @@ __all__ = [
     "ENGINES",
     "RescoreRequest",
     "RescoreResult",
+    "check_draft",
     "check_reference",
     "check_run",
     "seed_jobs",
