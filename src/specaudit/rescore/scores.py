@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import optimize, special
 from scipy import stats as st
 
 from specaudit.rescore.pit import favourite_of, poisson_binomial_pmf
@@ -106,38 +107,51 @@ class _Steps:
 
 
 def _steps(draws: Sequence[TokenDraw]) -> _Steps:
-    rows: list[list[float]] = []
-    ranks: list[int] = []
-    excluded = 0
-    for d in draws:
-        if d.ref.probs.get(d.token, 0.0) <= 0.0:
-            excluded += 1
-            continue
-        ids = sorted(d.ref.probs, key=lambda t: (-d.ref.probs[t], t))
-        rows.append([d.ref.probs[t] for t in ids])
-        ranks.append(ids.index(d.token))
-    width = max((len(r) for r in rows), default=1)
-    probs = np.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        probs[i, : len(r)] = r
+    tested = [d for d in draws if d.ref.probs.get(d.token, 0.0) > 0.0]
+    width = max((len(d.ref.probs) for d in tested), default=1)
+    n = len(tested)
+    pad = [width - len(d.ref.probs) for d in tested]
+    big = int(np.iinfo(np.int64).max)
+    ids = np.array([[*d.ref.probs.keys(), *[big] * k] for d, k in zip(tested, pad, strict=True)])
+    # padding: probability -1 sorts last
+    vals = np.array(
+        [[*d.ref.probs.values(), *[-1.0] * k] for d, k in zip(tested, pad, strict=True)]
+    )
+    ids, vals = ids.reshape(n, width), vals.reshape(n, width)
+    order = np.lexsort((ids, -vals), axis=1)  # falling probability, ties by id
+    probs = np.maximum(np.take_along_axis(vals, order, axis=1), 0.0)
     probs /= np.maximum(probs.sum(axis=1, keepdims=True), 1e-300)
-    return _Steps(probs, np.asarray(ranks, dtype=np.int64), excluded)
+    tokens = np.array([d.token for d in tested], dtype=np.int64)
+    rank = np.argmax(np.take_along_axis(ids, order, axis=1) == tokens[:, None], axis=1)
+    return _Steps(probs, rank.astype(np.int64), len(draws) - n)
 
 
-def _alias(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Walker's alias table of one distribution (Vose's construction): column j is kept with
-    probability keep[j], else it is alias[j]; every column has mass 1 / K."""
-    k = len(row)
-    scaled = row * k
-    keep = np.ones(k)
-    alias = np.arange(k)
-    small = [j for j in range(k) if scaled[j] < 1.0]
-    large = [j for j in range(k) if scaled[j] >= 1.0]
-    while small and large:
-        s, g = small.pop(), large.pop()
-        keep[s], alias[s] = scaled[s], g
-        scaled[g] -= 1.0 - scaled[s]
-        (small if scaled[g] < 1.0 else large).append(g)
+def _alias(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker's alias tables of every row, all rows at once: column j is kept with probability
+    keep[i, j], else it is alias[i, j], and each column carries mass 1 / K. Vose's pairing,
+    many small columns per round: the row's largest column g tops up its small columns in
+    column order while it still holds at least 1 before each (the invariant a single pairing
+    needs), so a heavy head settles its tail in a few rounds."""
+    n, k = probs.shape
+    scaled = probs * k
+    keep = np.ones((n, k))
+    alias = np.tile(np.arange(k), (n, 1))
+    active = np.ones((n, k), dtype=bool)
+    rows = np.arange(n)
+    for _ in range(k):
+        small = active & (scaled < 1.0)
+        big = np.where(active & ~small, scaled, -np.inf)
+        g = big.argmax(axis=1)
+        work = small.any(axis=1) & np.isfinite(big[rows, g])
+        if not work.any():
+            break
+        deficit = np.where(small & work[:, None], 1.0 - scaled, 0.0)
+        before = np.cumsum(deficit, axis=1) - deficit
+        chosen = small & work[:, None] & (before <= scaled[rows, g][:, None] - 1.0)
+        keep[chosen] = scaled[chosen]
+        alias[chosen] = np.broadcast_to(g[:, None], (n, k))[chosen]
+        scaled[rows, g] -= np.where(chosen, deficit, 0.0).sum(axis=1)
+        active &= ~chosen
     return keep, alias
 
 
@@ -148,9 +162,8 @@ def _sampler(
     distribution, by the alias method (one uniform per draw: its integer part over K picks
     the column, the fraction is the coin that keeps it or takes its alias)."""
     n, k = probs.shape
-    tables = [_alias(r) for r in probs]
-    keep = np.concatenate([t[0] for t in tables])
-    alias = np.concatenate([t[1] for t in tables]).reshape(n, k)
+    keep2, alias = _alias(probs)
+    keep = keep2.ravel()
     own = values.ravel()
     other = np.take_along_axis(values, alias, axis=1).ravel()
     offsets = np.arange(n) * k
@@ -205,9 +218,10 @@ class _Surprisal:
         pos = probs > 0
         logp = np.where(pos, np.log(np.where(pos, probs, 1.0)), 0.0)
         score = np.where(pos, logp - (probs * logp).sum(axis=1, keepdims=True), 0.0)
-        var = (probs * score**2).sum(axis=1)
-        k3 = (probs * score**3).sum(axis=1)
-        k4 = (probs * score**4).sum(axis=1) - 3 * var**2
+        sq = score * score  # products, not **: numpy's float pow is 100 times slower
+        var = (probs * sq).sum(axis=1)
+        k3 = (probs * sq * score).sum(axis=1)
+        k4 = (probs * sq * sq).sum(axis=1) - 3 * var * var
         return cls(score, var, k3, k4)
 
 
@@ -228,7 +242,7 @@ def surprisal_test(
     variance is the denominator: z -> N(0, 1) under any dependence (martingale CLT). `method`
     "normal" uses that (p = 2 P(|N| >= |z|)); "monte-carlo" refers |z| to draws of every x_i
     from its p_i (`mc_draws` at most, sequential at `stop_hits`; beyond every simulation the
-    Bernstein bound if smaller); "auto" takes the normal only when the sum's skewness is at
+    Chernoff bound if smaller); "auto" takes the normal only when the sum's skewness is at
     most SKEW_LIMIT, its excess kurtosis at most KURTOSIS_LIMIT and no step carries more than
     SHARE_LIMIT of the variance, else Monte-Carlo.
     """
@@ -260,27 +274,46 @@ def surprisal_test(
     return ScoreTest("surprisal", z, p, detail)
 
 
+def _chernoff(s: _Steps, sur: _Surprisal, t: float) -> float:
+    """Chernoff's bound on P(|S| >= t): for each tail, min over lambda of
+    exp(sum_i log E_{p_i} exp(lambda s_i) - lambda |t|), each step's moment generating function
+    exact (p_i is known). Valid for independent steps; for dependent ones the same exponential
+    supermartingale argument at the realised steps (as the CLT, an approximation)."""
+    pos = s.probs > 0
+    logp = np.where(pos, np.log(np.where(pos, s.probs, 1.0)), -np.inf)
+
+    def log_tail(sign: float) -> float:
+        def f(lam: float) -> float:
+            return float(special.logsumexp(logp + sign * lam * sur.score, axis=1).sum()) - lam * t
+
+        res = optimize.minimize_scalar(f, bounds=(0.0, 50.0), method="bounded")
+        return min(0.0, float(res.fun))
+
+    return float(min(1.0, math.exp(log_tail(1.0)) + math.exp(log_tail(-1.0))))
+
+
 def _surprisal_mc(s: _Steps, sur: _Surprisal, abs_z: float, mc: tuple[int, int, int]) -> float:
-    """P(|Z| >= |z|) with every x_i drawn again from its p_i. Bernstein's bound
-    2 exp(-t^2 / (2 (V + b t / 3))) on |S| >= t (b the largest |score|; for dependent steps
-    Freedman's inequality at the realised variance) is used instead when it is below the
-    simulation's floor (no draws needed), or when no simulation reached |z| and it is smaller:
-    a far-out statistic keeps a p-value below 1 / (draws + 1)."""
+    """P(|Z| >= |z|) with every x_i drawn again from its p_i. Chernoff's bound (`_chernoff`)
+    is used instead when it is below the simulation's floor (no draws needed), or when no
+    simulation reached |z| and it is smaller: a far-out statistic keeps a p-value below
+    1 / (draws + 1)."""
     mc_draws, stop_hits, seed = mc
-    total_var = float(sur.var.sum())
-    sd = math.sqrt(total_var)
-    t = abs_z * sd
-    b = float(np.abs(sur.score[s.probs > 0]).max())
-    bernstein = max(min(1.0, 2 * math.exp(-(t * t) / (2 * (total_var + b * t / 3)))), TINY_P)
-    if bernstein <= 1 / (mc_draws + 1):
-        return bernstein
+    sd = math.sqrt(float(sur.var.sum()))
+    floor = 1 / (mc_draws + 1)
+    # the bound is worth its optimisation only far out (the normal's tail says where)
+    far = 2 * st.norm.sf(abs_z) < floor
+    bound = max(_chernoff(s, sur, abs_z * sd), TINY_P) if far else 1.0
+    if bound <= floor:
+        return bound
     draw = _sampler(s.probs, sur.score)
 
     def simulate(m: int, rng: np.random.Generator) -> np.ndarray:
         return np.asarray(np.abs(draw(rng, m).sum(axis=1)) / sd)
 
     p, hits = _mc(abs_z, simulate, s.n, mc_draws, stop_hits, seed)
-    return min(p, bernstein) if hits == 0 else p
+    if hits:
+        return p
+    return min(p, bound if far else max(_chernoff(s, sur, abs_z * sd), TINY_P))
 
 
 # --- rank bins ---------------------------------------------------------------------------
@@ -331,9 +364,12 @@ def rank_bin_moments(draws: Sequence[TokenDraw], edges: Sequence[int] = RANK_EDG
     """Counts of the tested tokens by their rank under p (1 = the most probable, ties by id)
     in the bins starting at `edges` (1-based, increasing, the first 1), sparse tail bins
     merged (`MIN_BIN_EXPECTED`), with the expected counts and their exact covariance."""
+    return _rank_bins(_steps(draws), edges)
+
+
+def _rank_bins(s: _Steps, edges: Sequence[int]) -> RankBins:
     if not edges or edges[0] != 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
         raise ValueError(f"rank edges must start at 1 and increase: {edges!r}")
-    s = _steps(draws)
     width = s.probs.shape[1]
     base_of_rank = np.searchsorted(np.asarray(edges), np.arange(width) + 1, side="right") - 1
     nb = len(edges)
@@ -398,8 +434,8 @@ def rank_bin_test(
     """
     if method not in ("auto", "chi-square", "monte-carlo"):
         raise ValueError(f"unknown method {method!r}")
-    rb = rank_bin_moments(draws, edges)
     s = _steps(draws)
+    rb = _rank_bins(s, edges)
     maha = _Mahalanobis.of(rb.covariance)
     if s.n == 0 or maha.rank == 0:
         return ScoreTest("rank bins", 0.0, 1.0, f"no token with any variation{_excluded(s)}")
