@@ -227,6 +227,15 @@ def test_tokens_outside_the_support_are_left_out() -> None:
     assert scores.prefix_tests(bad) == scores.prefix_tests(draws)
 
 
+def test_nothing_to_test_is_p_one_not_an_error() -> None:
+    impossible = [_draw(0, {1: 1.0}, 2)]
+    certain = [_draw(i, {1: 1.0}, 1) for i in range(30)]
+    for draws in ([], impossible, certain):
+        for test in (scores.surprisal_test, scores.rank_bin_test, scores.favourite_test):
+            assert test(draws).p_value == 1.0
+    assert scores.prefix_tests(impossible, min_draws=1) == []
+
+
 def test_holm_family_rejects_what_holm_adjusts_below_alpha() -> None:
     tests = [scores.ScoreTest(f"t{i}", 0.0, p, "") for i, p in enumerate([0.001, 0.04, 0.012])]
     fam = scores.holm_family(tests, 0.03)

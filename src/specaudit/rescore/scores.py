@@ -296,7 +296,8 @@ def _surprisal_mc(s: _Steps, sur: _Surprisal, abs_z: float, mc: tuple[int, int, 
     """P(|Z| >= |z|) with every x_i drawn again from its p_i. Chernoff's bound (`_chernoff`)
     is used instead when it is below the simulation's floor (no draws needed), or when no
     simulation reached |z| and it is smaller: a far-out statistic keeps a p-value below
-    1 / (draws + 1)."""
+    1 / (draws + 1). Still valid: the bound is above the true tail, so it is below the floor
+    only where the simulation would have rejected at every level above the floor anyway."""
     mc_draws, stop_hits, seed = mc
     sd = math.sqrt(float(sur.var.sum()))
     floor = 1 / (mc_draws + 1)
@@ -438,7 +439,8 @@ def rank_bin_test(
     rb = _rank_bins(s, edges)
     maha = _Mahalanobis.of(rb.covariance)
     if s.n == 0 or maha.rank == 0:
-        return ScoreTest("rank bins", 0.0, 1.0, f"no token with any variation{_excluded(s)}")
+        why = f"{s.n} token(s): too few to fill two rank bins expecting {MIN_BIN_EXPECTED:g} each"
+        return ScoreTest("rank bins", 0.0, 1.0, f"{why}{_excluded(s)}")
     x2 = float(maha(rb.observed - rb.expected))
     if method == "auto":
         method = "chi-square" if rb.expected.min() >= MIN_EXPECTED else "monte-carlo"
