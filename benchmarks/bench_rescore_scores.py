@@ -100,9 +100,11 @@ def null_cells(scale: float) -> list[tuple[str, Gen, int, int]]:
     return cells
 
 
-def run_null(scale: float, alpha: float, mc: int) -> list[dict[str, object]]:
+def run_null(
+    scale: float, alpha: float, mc: int, prefix_only: bool = False
+) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
-    for c, (label, gen, n, runs) in enumerate(null_cells(scale)):
+    for c, (label, gen, n, runs) in enumerate([] if prefix_only else null_cells(scale)):
         rng = np.random.default_rng(1000 + c)
         alarms = dict.fromkeys(NEW, 0)
         t0 = time.perf_counter()
@@ -129,11 +131,13 @@ def run_null(scale: float, alpha: float, mc: int) -> list[dict[str, object]]:
     return rows
 
 
-def run_power(scale: float, alpha: float, mc: int) -> list[dict[str, object]]:
+def run_power(
+    scale: float, alpha: float, mc: int, prefix_only: bool = False
+) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     runs = max(10, int(100 * scale))
     for b, (bug_name, bug) in enumerate(rs.BUGS.items()):
-        for n in (1200, 4800):
+        for n in () if prefix_only else (1200, 4800):
             rng = np.random.default_rng(3000 + 10 * b + n)
             hits = dict.fromkeys((*NEW, *TODAY), 0)
             t0 = time.perf_counter()
@@ -186,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=0.01)
     ap.add_argument("--mc-draws", type=int, default=2000)
     ap.add_argument("--no-power", action="store_true", help="the null study only")
+    ap.add_argument("--prefix-only", action="store_true", help="the per-prefix cells only")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     print("null study:", flush=True)
-    null = run_null(args.scale, args.alpha, args.mc_draws)
+    null = run_null(args.scale, args.alpha, args.mc_draws, args.prefix_only)
     power: list[dict[str, object]] = []
     if not args.no_power:
         print("power study:", flush=True)
-        power = run_power(args.scale, args.alpha, args.mc_draws)
+        power = run_power(args.scale, args.alpha, args.mc_draws, args.prefix_only)
     print_null(null, args.alpha)
     if power:
         print_power(power, args.alpha)

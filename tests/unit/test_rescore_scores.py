@@ -208,6 +208,18 @@ def test_prefix_tests_take_exact_p_values_where_enumerable() -> None:
     assert "exact" in out[0].detail
 
 
+def test_a_prefixs_sparse_tokens_are_pooled_before_its_test() -> None:
+    """Tokens expecting under one draw share a cell (decided by p and n alone): the p-value
+    is the pooled counts' exact one."""
+    p = {0: 0.55, 1: 0.35, 2: 0.04, 3: 0.03, 4: 0.02, 5: 0.01}
+    toks = [0] * 11 + [1] * 6 + [2, 5, 3]
+    draws = [_draw(i, p, t, key="k") for i, t in enumerate(toks)]
+    (res,) = scores.prefix_tests(draws)
+    assert "3 cells after pooling" in res.detail and "exact" in res.detail
+    pooled = multinomial_gof([11, 6, 3], [0.55, 0.35, 0.10], "exact")
+    assert res.p_value == pytest.approx(pooled.p_value, rel=1e-9)
+
+
 def test_prefix_tests_are_simulated_and_reproducible_in_any_order() -> None:
     rng = np.random.default_rng(9)
     draws = rs.repeated(200, rng, key="x") + rs.repeated(60, rng, rs.flat, key="y")

@@ -43,12 +43,14 @@ from scipy import stats as st
 from specaudit.rescore.pit import favourite_of, poisson_binomial_pmf
 from specaudit.rescore.records import TokenDraw
 from specaudit.stats import MC_DRAWS, SKEW_LIMIT, TINY_P, holm, mc_pvalue, multinomial_gof
-from specaudit.stats.gof import EXACT_LIMIT, MIN_EXPECTED
+from specaudit.stats.gof import MIN_EXPECTED, pool_sparse
 
 __all__ = [
     "KURTOSIS_LIMIT",
     "MIN_BIN_EXPECTED",
     "MIN_PREFIX_DRAWS",
+    "PREFIX_EXACT_LIMIT",
+    "PREFIX_POOL_EXPECTED",
     "RANK_EDGES",
     "SHARE_LIMIT",
     "STOP_HITS",
@@ -66,6 +68,13 @@ __all__ = [
 # A prefix enters the per-prefix tests with at least this many draws (analysis.G_MIN_DRAWS):
 # below it a prefix's multinomial test has almost no power, and each test costs Holm level.
 MIN_PREFIX_DRAWS = 20
+# A prefix's tokens expecting fewer draws than this are pooled into one cell before its test
+# (`stats.gof.pool_sparse`, decided by p and n alone, so the p-value stays exact): 30 tail
+# cells of top-k 40 expecting 0.05 draws each add noise to G and take its power.
+PREFIX_POOL_EXPECTED = 1.0
+# Exact p-value up to this many possible outcomes (enumerating 10^5 costs about 0.1 s, a
+# sequential Monte-Carlo p-value in the bulk a few milliseconds), Monte-Carlo beyond.
+PREFIX_EXACT_LIMIT = 10_000
 # First rank (1-based) of each rank bin: ranks 1, 2, 3-4, 5-8, 9-16, 17+ (dyadic: the top
 # ranks, where the mass is, on their own; the tail, where a top-k / top-p bug lands, pooled).
 RANK_EDGES = (1, 2, 3, 5, 9, 17)
@@ -529,8 +538,9 @@ def prefix_tests(
     seed: int = 0,
 ) -> list[ScoreTest]:
     """One multinomial test per prefix repeated at least `min_draws` times (tested draws):
-    its token counts against p by the G statistic, with an exact p-value when its outcomes
-    can be enumerated (`stats.gof.EXACT_LIMIT`) and a Monte-Carlo one otherwise
+    its token counts against p by the G statistic (tokens expecting fewer than
+    PREFIX_POOL_EXPECTED draws pooled), with an exact p-value when its outcomes
+    can be enumerated (PREFIX_EXACT_LIMIT) and a Monte-Carlo one otherwise
     (`stats.multinomial_gof`), never the chi-square approximation, which at 200 draws over
     top-k 40 rejects 1.5 times as often as its level. The simulation's seed is `seed` mixed
     with a CRC of the prefix key: the same draws give the same p-values in any order. The
@@ -548,17 +558,19 @@ def prefix_tests(
         probs = np.array([ds[0].ref.probs[t] for t in ids])
         probs /= probs.sum()
         where = {t: j for j, t in enumerate(ids)}
-        counts = np.bincount([where[d.token] for d in ds], minlength=len(ids))
-        n = len(ds)
-        outcomes = math.comb(n + len(ids) - 1, len(ids) - 1)
-        method = "exact" if outcomes <= EXACT_LIMIT else "monte-carlo"
+        # one reference answer per prefix: the first draw's (a cached answer, the same for all)
+        counts = np.bincount([where[d.token] for d in ds if d.token in where], minlength=len(ids))
+        n = int(counts.sum())
+        obs, cells = pool_sparse(counts, probs, PREFIX_POOL_EXPECTED)
+        outcomes = math.comb(n + len(cells) - 1, len(cells) - 1)
+        method = "exact" if outcomes <= PREFIX_EXACT_LIMIT else "monte-carlo"
         res = multinomial_gof(
-            counts, probs, method, mc_draws=mc_draws, mc_stop_hits=stop_hits,
+            obs.astype(np.int64), cells, method, mc_draws=mc_draws, mc_stop_hits=stop_hits,
             seed=(seed * 1_000_003 + zlib.crc32(key.encode())) % 2**32,
         )  # fmt: skip
         detail = (
-            f"position {ds[0].position}, {n} draws over {len(ids)} tokens: G = "
-            f"{res.statistic:.3g}, {res.method}"
+            f"position {ds[0].position}, {n} draws over {len(ids)} tokens ({len(cells)} cells "
+            f"after pooling): G = {res.statistic:.3g}, {res.method}"
         )
         out.append(ScoreTest(f"prefix {key}", res.statistic, res.p_value, detail))
     return out
