@@ -17,6 +17,15 @@ min(1, 1.25 p / q) against a draft q), each test alone at alpha.
 
     .venv/bin/python benchmarks/bench_rescore_scores.py [--scale 1] [--alpha 0.01] [--json FILE]
 
+Measured (alpha = 0.01, about 20 min on a loaded 2-core machine): every asserted null rate
+passes (the largest 1.67 %, 10/600, surprisal on head n = 4800, one-sided p = 0.08; the dependent
+chains 0.67-1.30 %); per-prefix at 200 draws 0.95 % (head) and 0.85 % (flat) where today's G
+rejects 0.95 % and 1.68 % (p = 5e-5 that it exceeds alpha). Power at n = 4800 (head): the
+acceptance rule min(1, 1.25 p/q) surprisal 82 %, rank bins 50 %, favourite two-sided 20 %,
+today's KS 26 % and one-sided favourite 27 %; the favourite 10 % too rare: 100 % for each new
+test and for KS, 0 % for the one-sided favourite; rank 2 -> 3: rank bins 100 % already at
+n = 1200 (KS 39 %).
+
 Monte-Carlo p-values use at most --mc-draws draws (default 2000: a floor of 5e-4, below every
 alpha studied; Besag-Clifford stopping makes most far fewer).
 """
