@@ -29,6 +29,7 @@ import numpy as np
 from scipy import special, stats
 
 from specaudit.reference import NextToken
+from specaudit.rescore.pit import favourite_of, order, pit, poisson_binomial_sf
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
@@ -47,46 +48,6 @@ TESTS = ("KS of the PIT values", "the draft's favourite", "per-prefix G")
 def each_test_level(alpha: float) -> float:
     """The level of each of `TESTS`, so that together they keep alpha (Bonferroni)."""
     return alpha / len(TESTS)
-
-
-def order(nt: NextToken, favourite: int | None) -> list[int]:
-    """The token order of the PIT: the favourite first, then by falling probability (ties
-    by id)."""
-    rest = sorted((t for t in nt.probs if t != favourite), key=lambda t: (-nt.probs[t], t))
-    return ([favourite] if favourite is not None and favourite in nt.probs else []) + rest
-
-
-def favourite_of(d: TokenDraw) -> int:
-    """The draft's favourite when known, else the reference's argmax (a model that drafts
-    with itself, or a smaller model of its family, favours the target's argmax)."""
-    if d.draft_favourite is not None:
-        return d.draft_favourite
-    return min(d.ref.probs, key=lambda t: (-d.ref.probs[t], t))
-
-
-def pit(d: TokenDraw, v: float) -> float | None:
-    """u = F(x-) + v p(x) under the PIT order; None when x is outside the reference's
-    support (an impossible token)."""
-    p = d.ref.probs.get(d.token, 0.0)
-    if p <= 0.0:
-        return None
-    below = 0.0
-    for t in order(d.ref, favourite_of(d)):
-        if t == d.token:
-            break
-        below += d.ref.probs[t]
-    total = sum(d.ref.probs.values())
-    return min(max((below + v * p) / total, 0.0), 1.0)
-
-
-def poisson_binomial_sf(k: int, ps: np.ndarray) -> float:
-    """P(S >= k) for S a sum of independent Bernoulli(ps): exact, by convolution."""
-    dist = np.zeros(len(ps) + 1)
-    dist[0] = 1.0
-    for i, p in enumerate(ps):
-        dist[1 : i + 2] = dist[1 : i + 2] * (1 - p) + dist[: i + 1] * p
-        dist[0] *= 1 - p
-    return float(min(1.0, max(dist[k:].sum(), 0.0)))
 
 
 def ks_detectable(n: int, level: float, power: float = POWER) -> float:
