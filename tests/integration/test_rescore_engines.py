@@ -2,16 +2,22 @@
 re-scored token by token against a plain stock llama-server serving the fixture's GGUF (one
 per module, started by rescore's own `start_reference`), instead of against the closed form.
 
+"Not broken" below: no test of the Holm family rejects, and the certificate either holds
+(PRESERVED) or names the tokens that would make it hold (INCONCLUSIVE): these runs are a few
+hundred tokens, below the about 750 the default tolerance needs (test_rescore_servers.py
+certifies PRESERVED at 1,200 on the fixture).
+
 - transformers' `generate()` with the assistant generator (the HF copy of the fixture):
-  PRESERVED, and it really speculated;
-- OpenVINO GenAI (the F16 copy): the plain path PRESERVED; the draft path BROKEN with tokens
+  not broken, and it really speculated;
+- OpenVINO GenAI (the F16 copy): the plain path not broken; the draft path BROKEN with tokens
   outside the reference's top-3, exactly as many as the closed form forbids
   (docs/openvino.md);
 - llama.cpp's llama-speculative: stock BROKEN (docs/llama-speculative-fix.md), and with the
-  `speculative-fix` patch PRESERVED;
+  `speculative-fix` patch not broken;
 - llama-server itself (`--dist-engine server`) on every verification path of every fixture
   kind (the llama fixture's, the MTP fixture's, the replay fixture's: each kind against a plain
-  reference on its own GGUF, started by rescore): PRESERVED, and every speculative path drafted.
+  reference on its own GGUF, started by rescore): not broken, and every speculative path
+  drafted.
 
 Small seed counts (a 2-core machine): each run is still large enough for `check_enough`. Each
 test prints its verdict line (tokens tested, KS p, favourite p, impossible tokens).
@@ -70,6 +76,17 @@ def verdict_line(r: RescoreResult) -> str:
     )
 
 
+def _not_broken(r: RescoreResult) -> None:
+    """A correct engine over a few hundred tokens: no test rejects, and the certificate
+    either holds (PRESERVED) or says how many tokens would bring its bounds within the
+    tolerance (INCONCLUSIVE, about 750 at the default; these runs keep the suite short)."""
+    s = r.stats
+    assert s is not None and s.verdict is not Verdict.BROKEN, (r.path, s and s.reason)
+    assert not any(t.rejects for t in s.tests), (r.path, s.reason)
+    if s.verdict is Verdict.INCONCLUSIVE:
+        assert s.needed is not None and s.needed > s.tokens, (r.path, s.reason)
+
+
 def _closed_form_impossible(spec: fixtures.FixtureSpec, r: RescoreResult) -> int:
     """Sampled tokens the closed form gives probability 0 for their prefix, counted from the
     samples' ids alone (independently of the reference)."""
@@ -86,7 +103,7 @@ def _closed_form_impossible(spec: fixtures.FixtureSpec, r: RescoreResult) -> int
     return bad
 
 
-def test_transformers_assistant_is_preserved(
+def test_transformers_assistant_is_not_broken(
     fixture_set: fixtures.FixtureSet, reference: str
 ) -> None:
     """Seeds 1001..1200. On seeds 1..200 rescore said BROKEN (KS p 0.00064, the draft's
@@ -102,7 +119,7 @@ def test_transformers_assistant_is_preserved(
     assert r.probe_tv is not None and r.probe_tv < 1e-3
     assert r.drafted and r.accepted and 0 < r.accepted <= r.drafted  # it speculated
     assert r.stats.impossible == 0
-    assert r.stats.verdict is Verdict.PRESERVED, r.stats.reason
+    _not_broken(r)
 
 
 def test_openvino_draft_path_samples_tokens_the_reference_forbids(
@@ -116,7 +133,7 @@ def test_openvino_draft_path_samples_tokens_the_reference_forbids(
     assert plain.stats is not None and plain.error is None
     assert plain.probe_tv is not None and plain.probe_tv < 1e-3
     assert plain.stats.impossible == 0 and plain.rescored == plain.sampled_tokens == 600
-    assert plain.stats.verdict is Verdict.PRESERVED, plain.stats.reason
+    _not_broken(plain)
     assert draft.stats is not None and draft.error is None
     assert draft.drafted and draft.accepted is not None
     assert draft.stats.verdict is Verdict.BROKEN
@@ -131,7 +148,7 @@ def fixed_bins(audit_ctx: audit.AuditContext) -> Any:
     return audit_ctx.binaries(presets.SPECULATIVE_FIX)
 
 
-def test_llama_speculative_stock_is_broken_and_fixed_is_preserved(
+def test_llama_speculative_stock_is_broken_and_fixed_is_not(
     fixture_set: fixtures.FixtureSet, reference: str, llama_bins: Any, fixed_bins: Any
 ) -> None:
     """3 tokens a sample: the stock example is far off within them, and 600 fixed tokens keep
@@ -148,11 +165,11 @@ def test_llama_speculative_stock_is_broken_and_fixed_is_preserved(
     assert fixed.rescored == fixed.sampled_tokens == 600
     assert fixed.drafted and fixed.accepted is not None and 0 < fixed.accepted < fixed.drafted
     assert fixed.stats.impossible == 0
-    assert fixed.stats.verdict is Verdict.PRESERVED, fixed.stats.reason
+    _not_broken(fixed)
 
 
 @pytest.mark.parametrize("kind", ["last-token", "mtp", "replay"])
-def test_every_llama_server_path_is_preserved_when_rescored(kind: str, llama_bins: Any) -> None:
+def test_no_llama_server_path_is_broken_when_rescored(kind: str, llama_bins: Any) -> None:
     """Every path of the fixture kind (`coverage.kind_paths`), one llama-server each, against a
     plain stock llama-server on that kind's own GGUF that rescore starts itself (no reference
     given): a new path is re-scored as soon as `dist` runs it."""
@@ -169,7 +186,7 @@ def test_every_llama_server_path_is_preserved_when_rescored(kind: str, llama_bin
         assert r.rescored == r.sampled_tokens == 400, r.path
         assert r.probe_tv is not None and r.probe_tv < 1e-3, r.path
         assert r.stats.impossible == 0, (r.path, r.notes[:3])
-        assert r.stats.verdict is Verdict.PRESERVED, (r.path, r.stats.reason)
+        _not_broken(r)
         if r.path != "plain":
             assert r.drafted, r.path  # the path speculated
     assert res.exit_code == 0

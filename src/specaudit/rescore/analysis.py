@@ -1,27 +1,33 @@
-"""The re-scored test: randomised PIT values of every sampled token under the reference's
-distribution for its exact prefix, and the tests that decide on them.
+"""The re-scored verdict: every sampled token against the reference's distribution for its
+exact prefix, one family of tests that decides BROKEN, and a certificate that decides between
+PRESERVED and INCONCLUSIVE.
 
-Why a PIT: each draw x comes from its own distribution p (one per prefix), so no single
-goodness-of-fit table exists; but u = F(x-) + V p(x), V ~ U(0,1) independent, is exactly
-Uniform(0,1) when x ~ p, whatever p is, and the u of independent draws are i.i.d. Tokens are
-ordered for F with the draft's favourite first, then by falling probability: the bugs
-speculation makes (accepting the draft's token too often, keeping a rejected draft, a
-residual that is not p - q) move mass toward the favourite or between the likely and the
-unlikely tokens, which moves u toward one end of [0, 1], where a KS test is strongest.
+Why three outcomes: "no test rejected" is not evidence that nothing is wrong; a small run
+rejects nothing. PRESERVED is said only when the certificate's bounds (`certify`: how much
+probability mass moved across the PIT order, how far the draft's favourite is from the
+reference, the TV at repeated prefixes) are within the tolerance; otherwise INCONCLUSIVE, with
+the number of tokens that would decide.
 
-The decision: an impossible token (x outside the reference's support) is BROKEN on its own,
-with certainty; otherwise three tests (`TESTS`), Bonferroni-combined at level alpha, each at
-alpha / len(TESTS): the KS test of the u values (`scipy.stats.kstest`), a directed test of how
-often x is the draft's favourite (exact Poisson-binomial tail), and per-prefix G-tests where
-prefixes repeat (`scipy.stats.power_divergence`). The anytime-valid form is a mixture e-process (a
-Dirichlet-multinomial Bayes factor on the u histogram, averaged with a betting martingale on
-the favourite), valid at every look.
+BROKEN, fixed N: an impossible token (x outside the reference's support, beyond the measured
+noise: `runner` leaves the top-k edge out) is certain evidence; otherwise one family, Holm at
+alpha (`FIXED_TESTS` plus one exact test per repeated prefix, plus the draft-aimed e-process
+as the p-value 1/max E when the draft's distributions are known): the KS test of the PIT values
+(`pit`), the surprisal score, the rank-bin chi-square, the two-sided favourite test
+(`scores`), per-prefix exact multinomial tests, and `draft_lr`. Holm keeps the family-wise
+error at alpha whatever the tests' dependence, so every p-value the report prints is
+accounted for: a raw p below alpha that Holm does not reject is printed with its adjusted
+value.
+
+`sequential`: the run is decided by anytime-valid evidence at alpha / 2 (the average of a
+Dirichlet-multinomial Bayes factor on the PIT histogram and a two-sided betting martingale on
+the favourite, and, with the draft known, `draft_lr`'s e-process; each at an equal share) and
+the fixed family at alpha / 2, valid at the run's planned maximum: the verdict never ignores a
+test it prints.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,25 +35,24 @@ import numpy as np
 from scipy import special, stats
 
 from specaudit.reference import NextToken
-from specaudit.rescore.pit import favourite_of, order, pit, poisson_binomial_sf
-from specaudit.rescore.records import RescoreError, TokenDraw
-from specaudit.stats import Verdict
+from specaudit.rescore import certify, draft_lr, scores
+from specaudit.rescore.certify import DEFAULT_TOLERANCE, Certificate
+from specaudit.rescore.draft_lr import DraftEvidence
+from specaudit.rescore.pit import Pits
+from specaudit.rescore.records import DEFAULT_ALPHA, RescoreError, TokenDraw
+from specaudit.rescore.scores import ScoreTest
+from specaudit.stats import Verdict, holm
 
-DEFAULT_ALPHA = 0.01
 POWER = 0.8
 # Refuse a run that could not even see this much probability mass moved at every step
 # (the KS test's 80 %-power Kolmogorov distance): too few tokens to decide anything.
 MAX_DETECTABLE = 0.2
 HIST_BINS = 8  # u histogram of the e-process
-BET_FRACTIONS = (0.05, 0.1, 0.2, 0.4, 0.8)  # the favourite martingale's mixture
-G_MIN_DRAWS = 20  # a prefix enters the per-prefix G-tests with at least this many draws
-# the fixed-N tests the verdict combines (Bonferroni: each at `each_test_level`)
-TESTS = ("KS of the PIT values", "the draft's favourite", "per-prefix G")
-
-
-def each_test_level(alpha: float) -> float:
-    """The level of each of `TESTS`, so that together they keep alpha (Bonferroni)."""
-    return alpha / len(TESTS)
+# the favourite martingale's mixture, both signs: too many hits and too few
+BET_FRACTIONS = (-0.8, -0.4, -0.2, -0.1, -0.05, 0.05, 0.1, 0.2, 0.4, 0.8)
+# the whole-run tests of the family (each repeated prefix adds one, the draft one more)
+FIXED_TESTS = ("KS of the PIT values", "surprisal", "rank bins", "favourite (two-sided)")
+DRAFT_TEST = "draft-aimed e-process"
 
 
 def ks_detectable(n: int, level: float, power: float = POWER) -> float:
@@ -68,14 +73,19 @@ def ks_detectable(n: int, level: float, power: float = POWER) -> float:
     return hi
 
 
-def directed_detectable(ps: np.ndarray, level: float, power: float = POWER) -> float:
-    """The per-token excess probability of the favourite the directed test detects with
-    `power` (normal approximation of the Poisson-binomial)."""
-    n = len(ps)
-    if n == 0:
-        return 1.0
-    sd = math.sqrt(float(np.sum(ps * (1 - ps))))
-    return (stats.norm.ppf(1 - level) + stats.norm.ppf(power)) * sd / n
+def check_enough(tokens: int, alpha: float = DEFAULT_ALPHA) -> None:
+    """Refuse, before anything is sampled, a run too small to decide anything (one line, exit
+    2): the KS test at its Bonferroni share could not see even `MAX_DETECTABLE` of the mass
+    moved. A run above this floor but below what the certificate needs is INCONCLUSIVE."""
+    level = alpha / len(FIXED_TESTS)
+    d = ks_detectable(tokens, level)
+    if d > MAX_DETECTABLE:
+        need = next(n for n in range(tokens, 100_000) if ks_detectable(n, level) <= MAX_DETECTABLE)
+        raise RescoreError(
+            f"{tokens} sampled tokens are too few to decide: the test could not even see "
+            f"{d:.0%} of the probability mass moved (need at least {need} tokens: more seeds, "
+            "tokens or prompts)"
+        )
 
 
 def hist_log_e(u: np.ndarray, bins: int = HIST_BINS, a: float = 0.5) -> np.ndarray:
@@ -97,59 +107,55 @@ def hist_log_e(u: np.ndarray, bins: int = HIST_BINS, a: float = 0.5) -> np.ndarr
 
 
 def bet_log_e(hits: np.ndarray, ps: np.ndarray) -> np.ndarray:
-    """log of a mixture of betting martingales on 1{x = favourite} - p(favourite): grows when
-    the favourite comes up more often than the reference says."""
+    """log of a mixture of betting martingales on 1{x = favourite} - p(favourite), both
+    signs: grows when the favourite comes up more often, or less often, than the reference
+    says. Every factor 1 + f (hit - p) is positive for |f| < 1, with mean 1 under the null."""
     steps = np.array([np.log1p(f * (hits - ps)) for f in BET_FRACTIONS])
     cum = np.cumsum(steps, axis=1)
     return np.asarray(special.logsumexp(cum, axis=0) - math.log(len(BET_FRACTIONS)))
 
 
 @dataclass(frozen=True)
-class PrefixTest:
-    """The G-test of one repeated prefix: its draws against the reference's distribution."""
+class FamilyTest:
+    """One test of the family: its raw p-value, Holm's adjusted one, and whether it rejects
+    at the family's level."""
 
-    prefix_key: str
-    position: int
-    draws: int
+    name: str
     p_value: float
+    adjusted: float
+    rejects: bool
+    detail: str
 
 
 @dataclass(frozen=True)
 class RescoreStats:
-    """What the tests found; `verdict` with `reason` in words, `power` in words too."""
+    """What the run found: `verdict` with `reason` in words; `certifies` what a PRESERVED
+    states (or an INCONCLUSIVE lacks), the certificate's sentence and its blind spots."""
 
     verdict: Verdict
     reason: str
-    power: str
+    certifies: str
     tokens: int
     impossible: int
     ks_p: float
-    directed_p: float
+    surprisal_p: float
+    rank_p: float
+    directed_p: float  # the two-sided favourite test
     favourite_rate: float
     favourite_expected: float
     g_prefixes: int
-    g_p: float
-    e_value: float
-    crossed_at: int | None  # draws until the e-process first reached 1/alpha (None: never)
-    ks_detectable: float
-    directed_detectable: float
+    g_p: float  # the smallest Holm-adjusted p-value of the per-prefix tests (1: none)
+    e_value: float  # the PIT e-process's running maximum
+    crossed_at: int | None  # draws until the anytime evidence first decided (None: never)
     alpha: float
+    tolerance: float
+    needed: int | None  # tokens that would decide an INCONCLUSIVE (None: more would not)
+    certificate: Certificate | None = None
+    draft: DraftEvidence | None = None
+    tests: list[FamilyTest] = field(default_factory=list)
     per_position: dict[int, float] = field(default_factory=dict)  # KS p per position
-    prefix_tests: list[PrefixTest] = field(default_factory=list)
+    prefix_tests: list[ScoreTest] = field(default_factory=list)
     u: list[float] = field(default_factory=list)
-
-
-def check_enough(tokens: int, alpha: float = DEFAULT_ALPHA) -> None:
-    """Refuse, before anything is sampled, a run too small to decide (one line, exit 2)."""
-    level = each_test_level(alpha)
-    d = ks_detectable(tokens, level)
-    if d > MAX_DETECTABLE:
-        need = next(n for n in range(tokens, 100_000) if ks_detectable(n, level) <= MAX_DETECTABLE)
-        raise RescoreError(
-            f"{tokens} sampled tokens are too few to decide: the test could not even see "
-            f"{d:.0%} of the probability mass moved (need at least {need} tokens: more seeds, "
-            "tokens or prompts)"
-        )
 
 
 def analyse(
@@ -158,171 +164,151 @@ def analyse(
     alpha: float = DEFAULT_ALPHA,
     seed: int = 0,
     sequential: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+    ratio_bound: float = 1.0,
 ) -> RescoreStats:
     """Decide on re-scored draws (in sampling order). The PIT's randomisation comes from
-    `seed` (fixed: the same draws give the same verdict). `sequential`: the anytime-valid
-    form decides (the e-process against 1/alpha, valid however often it was looked at); the
-    fixed-N tests are then reported, not used."""
-    pits = _Pits.of(draws, seed)
+    `seed` (fixed: the same draws give the same verdict). `ratio_bound`: the reference's
+    measured noise as a bound on engine/reference probability ratios (`draft_lr`)."""
+    pits = Pits.of(draws, seed)
+    evidence = draft_lr.draft_e_process(draws, alpha, ratio_bound=ratio_bound)
+    draft = evidence if evidence.used else None
+    family_level = alpha / 2 if sequential else alpha
+    whole, prefixes = _fixed_tests(draws, pits, seed)
+    members = [*whole, *prefixes]
+    if draft is not None and not sequential:
+        members.append(ScoreTest(DRAFT_TEST, draft.e_value, min(1.0, 1 / draft.e_value), ""))
+    family = _family(members, family_level)
+    e_value, crossed_at, anytime = _anytime(pits, draft, alpha / 2, sequential)
+    cert = certify.certify(
+        pits.u_all, pits.hits, pits.favourite_p, certify.strata_of(draws),
+        alpha=alpha, tolerance=tolerance,
+    )  # fmt: skip
+    reasons = _impossible_reasons(pits.impossible) + anytime
+    reasons += [_rejection(t, family_level) for t in family if t.rejects]
     n = len(draws)
-    level = each_test_level(alpha)
-    us = pits.u
-    ks_p = float(stats.kstest(np.array(us), "uniform").pvalue) if len(us) else 1.0
-    per_pos = {
-        p: float(stats.kstest(np.array(x), "uniform").pvalue)
-        for p, x in sorted(pits.by_position.items())
-    }
-    h, ps = np.array(pits.hits), np.array(pits.favourite_p)
-    k = int(h.sum())
-    directed_p = poisson_binomial_sf(k, ps) if n else 1.0
-    prefix_tests = _prefix_tests(draws)
-    m = len(prefix_tests)
-    g_p = min(1.0, min((t.p_value for t in prefix_tests), default=1.0) * m) if m else 1.0
-    e_value, crossed_at = _e_process(pits, alpha)
-    ks_d, dir_d = ks_detectable(len(us), level), directed_detectable(ps, level)
-    power = (
-        f"over {n} tokens, a change that moves at least {ks_d:.1%} of each step's probability "
-        f"mass toward one end of the token order (toward or away from the draft's favourite "
-        f"token) would have been caught with {POWER:.0%} probability; so would raising the "
-        f"favourite's probability by {dir_d:.1%} per token"
-    )
-    if sequential:
-        reasons = _sequential_reasons(pits.impossible, e_value, alpha)
-    else:
-        reasons = _fixed_reasons(pits.impossible, ks_p, (k, ps, directed_p), g_p, level)
     if reasons:
         verdict, reason = Verdict.BROKEN, "; ".join(reasons)
     else:
-        verdict = Verdict.PRESERVED
-        reason = (
-            f"the {n} sampled tokens are draws from the reference's distribution for their "
-            f"exact prefixes as far as {n} tokens can tell (KS p = {ks_p:.2g}, favourite "
-            f"p = {directed_p:.2g}, {m} repeated prefixes G-tested, alpha = {alpha})"
-        )
+        verdict = Verdict.PRESERVED if cert.within else Verdict.INCONCLUSIVE
+        reason = _kept_reason(verdict, family, family_level, cert)
+    by_name = {t.name: t for t in family}
+    prefix_adj = [by_name[t.name].adjusted for t in prefixes]
+    fav_p = np.array(pits.favourite_p)
     return RescoreStats(
-        verdict=verdict, reason=reason, power=power, tokens=n, impossible=pits.impossible,
-        ks_p=ks_p, directed_p=directed_p, favourite_rate=k / n if n else 0.0,
-        favourite_expected=float(ps.mean()) if n else 0.0, g_prefixes=m, g_p=g_p,
-        e_value=e_value, crossed_at=crossed_at, ks_detectable=ks_d,
-        directed_detectable=dir_d, alpha=alpha,
-        per_position=per_pos, prefix_tests=prefix_tests, u=us,
+        verdict=verdict, reason=reason, certifies=_certifies(cert), tokens=n,
+        impossible=pits.impossible, ks_p=by_name[FIXED_TESTS[0]].p_value,
+        surprisal_p=by_name[FIXED_TESTS[1]].p_value, rank_p=by_name[FIXED_TESTS[2]].p_value,
+        directed_p=by_name[FIXED_TESTS[3]].p_value,
+        favourite_rate=float(np.mean(pits.hits)) if n else 0.0,
+        favourite_expected=float(fav_p.mean()) if n else 0.0, g_prefixes=len(prefixes),
+        g_p=min(prefix_adj, default=1.0), e_value=e_value, crossed_at=crossed_at, alpha=alpha,
+        tolerance=tolerance, needed=cert.needed, certificate=cert, draft=draft, tests=family,
+        per_position=_per_position(pits), prefix_tests=prefixes, u=pits.u,
     )  # fmt: skip
 
 
-@dataclass
-class _Pits:
-    """Per draw, in sampling order: its PIT value (nan in `u_all` for an impossible token),
-    whether it was the favourite and the reference's probability of the favourite."""
-
-    u: list[float] = field(default_factory=list)  # possible tokens only
-    u_all: list[float] = field(default_factory=list)
-    by_position: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
-    impossible: int = 0
-    hits: list[float] = field(default_factory=list)
-    favourite_p: list[float] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, draws: Sequence[TokenDraw], seed: int) -> _Pits:
-        """The PIT's randomisation V comes from `seed`, one uniform per draw."""
-        out = cls()
-        v = np.random.default_rng(seed).random(len(draws))
-        for d, vi in zip(draws, v, strict=True):
-            u = pit(d, float(vi))
-            fav = favourite_of(d)
-            out.hits.append(1.0 if d.token == fav else 0.0)
-            out.favourite_p.append(d.ref.probs.get(fav, 0.0) / sum(d.ref.probs.values()))
-            if u is None:
-                out.impossible += 1
-                out.u_all.append(math.nan)
-                continue
-            out.u.append(u)
-            out.u_all.append(u)
-            out.by_position[d.position].append(u)
-        return out
+def _fixed_tests(
+    draws: Sequence[TokenDraw], pits: Pits, seed: int
+) -> tuple[list[ScoreTest], list[ScoreTest]]:
+    """The whole-run tests (`FIXED_TESTS`, in that order) and the per-prefix ones."""
+    ks_p = float(stats.kstest(np.array(pits.u), "uniform").pvalue) if pits.u else 1.0
+    ks = ScoreTest(FIXED_TESTS[0], math.nan, ks_p, f"{len(pits.u)} PIT values against U(0,1)")
+    whole = [
+        ks,
+        scores.surprisal_test(draws, seed=seed),
+        scores.rank_bin_test(draws, seed=seed),
+        scores.favourite_test(draws),
+    ]
+    named = [
+        ScoreTest(name, t.statistic, t.p_value, t.detail)
+        for name, t in zip(FIXED_TESTS, whole, strict=True)
+    ]
+    return named, scores.prefix_tests(draws, seed=seed)
 
 
-def _e_process(pits: _Pits, alpha: float) -> tuple[float, int | None]:
-    """The e-value's running maximum and the draws until it first reached 1/alpha (None:
-    never). The average of two e-processes is one: its running maximum against 1/alpha is
-    valid."""
+def _family(members: Sequence[ScoreTest], level: float) -> list[FamilyTest]:
+    adjusted = holm([t.p_value for t in members])
+    return [
+        FamilyTest(t.name, t.p_value, a, a < level, t.detail)
+        for t, a in zip(members, adjusted, strict=True)
+    ]
+
+
+def _anytime(
+    pits: Pits, draft: DraftEvidence | None, level: float, sequential: bool
+) -> tuple[float, int | None, list[str]]:
+    """The PIT e-process's running maximum, the draws until the anytime evidence first
+    decided, and (`sequential`) BROKEN's reasons from it at `level`, split equally between the
+    PIT e-process and the draft's when the draft is known."""
     if not pits.u_all:
-        return 1.0, None
+        return 1.0, None, []
     both = np.logaddexp(
         hist_log_e(np.array(pits.u_all)),
         bet_log_e(np.array(pits.hits), np.array(pits.favourite_p)),
     ) - math.log(2)
     e_value = math.exp(min(float(np.max(both)), 700.0))
-    over = np.nonzero(both >= math.log(1 / alpha))[0]
-    return e_value, int(over[0]) + 1 if len(over) else None
-
-
-def _sequential_reasons(impossible: int, e_value: float, alpha: float) -> list[str]:
-    """BROKEN's reasons when the e-process decides (the fixed-N tests are only reported)."""
-    reasons = _impossible_reasons(impossible)
-    if e_value >= 1 / alpha:
-        reasons.append(f"the e-process reached {e_value:.3g} >= 1/alpha = {1 / alpha:.3g}")
-    return reasons
-
-
-def _fixed_reasons(
-    impossible: int,
-    ks_p: float,
-    favourite: tuple[int, np.ndarray, float],
-    g_p: float,
-    level: float,
-) -> list[str]:
-    """BROKEN's reasons from `TESTS`, each at `level`; `favourite`: (times the favourite was
-    sampled, its reference probability per draw, the directed p-value)."""
-    reasons = _impossible_reasons(impossible)
-    k, ps, directed_p = favourite
-    if ks_p < level:
-        reasons.append(f"the PIT values are not uniform (KS p = {ks_p:.2g} < {level:.2g})")
-    if directed_p < level:
+    share = level / 2 if draft is not None else level
+    over = np.nonzero(both >= math.log(1 / share))[0]
+    crossed = [int(over[0]) + 1] if len(over) else []
+    if not sequential:
+        return e_value, crossed[0] if crossed else None, []
+    reasons = []
+    if crossed:
         reasons.append(
-            f"the draft's favourite was sampled {k} times where the reference expects "
-            f"{ps.sum():.1f} (p = {directed_p:.2g} < {level:.2g})"
+            f"the PIT e-process reached {e_value:.3g} >= {1 / share:.3g} (anytime-valid, "
+            f"after {crossed[0]} draws)"
         )
-    if g_p < level:
-        reasons.append(f"a repeated prefix's tokens do not fit (G-test, Bonferroni p = {g_p:.2g})")
-    return reasons
+    if draft is not None and draft.e_value >= 1 / share:
+        likely = f" (most evidence: {draft.best_bug})" if draft.best_bug else ""
+        reasons.append(
+            f"the draft-aimed e-process reached {draft.e_value:.3g} >= {1 / share:.3g} "
+            f"(anytime-valid){likely}"
+        )
+        if draft.crossed_at is not None:
+            crossed.append(draft.crossed_at)
+    return e_value, min(crossed) if crossed else None, reasons
+
+
+def _rejection(t: FamilyTest, level: float) -> str:
+    what = f"; {t.detail}" if t.detail else ""
+    return f"{t.name}: p = {t.p_value:.2g} (Holm-adjusted {t.adjusted:.2g} < {level:.2g}){what}"
+
+
+def _kept_reason(
+    verdict: Verdict, family: Sequence[FamilyTest], level: float, cert: Certificate
+) -> str:
+    """Why no test rejected, naming every raw p-value below the level that Holm did not keep
+    (so the report never shows one without saying why it does not count), then what the
+    bounds certify or lack."""
+    small = [t for t in family if t.p_value < level]
+    head = f"no test of the {len(family)} rejects at alpha = {level:.2g} (Holm)"
+    if small:
+        head += "; " + ", ".join(
+            f"{t.name} p = {t.p_value:.2g} does not count: Holm-adjusted over {len(family)} "
+            f"tests it is {t.adjusted:.2g}"
+            for t in small
+        )
+    if verdict is Verdict.PRESERVED:
+        return f"{head}; {cert.statement}"
+    return f"{head}, but the bounds are not tight enough to certify: {cert.statement}"
+
+
+def _certifies(cert: Certificate) -> str:
+    return cert.statement + ". What one draw per prefix cannot see: " + "; ".join(cert.blind_spots)
+
+
+def _per_position(pits: Pits) -> dict[int, float]:
+    return {
+        p: float(stats.kstest(np.array(x), "uniform").pvalue)
+        for p, x in sorted(pits.by_position.items())
+    }
 
 
 def _impossible_reasons(impossible: int) -> list[str]:
     if not impossible:
         return []
     return [f"{impossible} sampled token(s) have probability 0 under the reference"]
-
-
-def _prefix_tests(draws: Sequence[TokenDraw]) -> list[PrefixTest]:
-    groups: dict[str, list[TokenDraw]] = defaultdict(list)
-    for d in draws:
-        groups[d.prefix_key].append(d)
-    out = []
-    for key, ds in groups.items():
-        if len(ds) < G_MIN_DRAWS:
-            continue
-        probs = ds[0].ref.probs
-        total = sum(probs.values())
-        n = len(ds)
-        # categories with an expected count >= 1 stand alone, the rest are pooled
-        big = [t for t in probs if n * probs[t] / total >= 1.0]
-        counts: dict[int, int] = defaultdict(int)
-        for d in ds:
-            counts[d.token if d.token in big else -1] += 1
-        exp = [n * probs[t] / total for t in big]
-        obs = [counts[t] for t in big]
-        rest = n - sum(exp)
-        if rest > 1e-9:
-            exp.append(rest)
-            obs.append(counts[-1])
-        elif counts[-1]:
-            out.append(PrefixTest(key, ds[0].position, n, 0.0))
-            continue
-        if len(exp) < 2:
-            continue
-        g = stats.power_divergence(obs, exp, lambda_="log-likelihood")
-        out.append(PrefixTest(key, ds[0].position, n, float(g.pvalue)))
-    return out
 
 
 def null_false_alarms(
@@ -334,8 +320,8 @@ def null_false_alarms(
     rng = np.random.default_rng(seed)
     alarms = 0
     for r in range(runs):
-        # position 0 shares one distribution (a repeated prefix, G-tested); later positions
-        # each have their own, as long generations do
+        # position 0 shares one distribution (a repeated prefix, tested exactly); later
+        # positions each have their own, as long generations do
         probs = rng.dirichlet(np.full(vocab, 0.5), size=tokens)
         probs[::4] = rng.dirichlet(np.ones(vocab))
         toks = (rng.random((tokens, 1)) > np.cumsum(probs, axis=1)).sum(axis=1)
@@ -359,15 +345,11 @@ def null_false_alarms(
 
 __all__ = [
     "DEFAULT_ALPHA",
-    "TESTS",
-    "PrefixTest",
+    "DRAFT_TEST",
+    "FIXED_TESTS",
+    "FamilyTest",
     "RescoreStats",
     "analyse",
     "check_enough",
-    "each_test_level",
-    "favourite_of",
     "null_false_alarms",
-    "order",
-    "pit",
-    "poisson_binomial_sf",
 ]

@@ -16,7 +16,7 @@ spent even when no prefix repeats), hold together with probability at least 1 - 
 - **the favourite** (`favourite_bound`): the average excess (1/n) sum_i (P(hit_i | past) -
   p_fav_i) of the draft's favourite, both signs (over- and under-sampling); time-uniform.
 - **repeated prefixes** (`tv_bound`): where a prefix repeats (at least
-  `analysis.G_MIN_DRAWS` draws), the draws-weighted average TV between the engine's and the
+  `scores.MIN_PREFIX_DRAWS` draws), the draws-weighted average TV between the engine's and the
   reference's next-token distributions, from `stats.tv.conditional_tv_bound`'s plug-in with a
   margin that is uniform over the (random) number of draws. Assumes the engine's distribution
   at a prefix is the same at every visit, and a run whose seeds were fixed in advance (fixed
@@ -61,8 +61,9 @@ import numpy as np
 from scipy import optimize, special, stats
 
 from specaudit.distribution.results import DEFAULT_TOLERANCE
-from specaudit.rescore import analysis
-from specaudit.rescore.records import TokenDraw
+from specaudit.rescore.pit import Pits
+from specaudit.rescore.records import DEFAULT_ALPHA, TokenDraw
+from specaudit.rescore.scores import MIN_PREFIX_DRAWS
 from specaudit.stats.tv import conditional_tv_bound
 
 __all__ = [
@@ -417,7 +418,7 @@ def certify(
     p_fav: Sequence[float] | np.ndarray,
     strata: Strata = (),
     *,
-    alpha: float = analysis.DEFAULT_ALPHA,
+    alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> Certificate:
     """Every bound at a joint confidence 1 - alpha (each at alpha / 3), in sampling order:
@@ -491,7 +492,7 @@ def _statement(
 
 
 def strata_of(
-    draws: Sequence[TokenDraw], min_draws: int = analysis.G_MIN_DRAWS
+    draws: Sequence[TokenDraw], min_draws: int = MIN_PREFIX_DRAWS
 ) -> list[tuple[list[int], list[float]]]:
     """(counts, reference probabilities) of every prefix with at least `min_draws` draws, over
     the reference's support plus one cell for tokens outside it (probability 0)."""
@@ -515,13 +516,13 @@ def strata_of(
 def certify_draws(
     draws: Sequence[TokenDraw],
     *,
-    alpha: float = analysis.DEFAULT_ALPHA,
+    alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
 ) -> Certificate:
     """`certify` on re-scored draws in sampling order, with the PIT values `analysis.analyse`
     uses for the same `seed`."""
-    pits = analysis._Pits.of(draws, seed)  # the same PIT values as the tests: one copy
+    pits = Pits.of(draws, seed)  # the same PIT values as the tests: one copy
     return certify(
         pits.u_all, pits.hits, pits.favourite_p, strata_of(draws), alpha=alpha, tolerance=tolerance
     )

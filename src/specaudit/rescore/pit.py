@@ -7,12 +7,24 @@ read the same definitions and neither imports the other.
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from specaudit.reference import NextToken
 from specaudit.rescore.records import TokenDraw
 
-__all__ = ["favourite_of", "order", "pit", "poisson_binomial_pmf", "poisson_binomial_sf"]
+__all__ = [
+    "Pits",
+    "favourite_of",
+    "order",
+    "pit",
+    "poisson_binomial_pmf",
+    "poisson_binomial_sf",
+]
 
 
 def order(nt: NextToken, favourite: int | None) -> list[int]:
@@ -60,3 +72,36 @@ def poisson_binomial_sf(k: int, ps: np.ndarray) -> float:
     """P(S >= k) for S a sum of independent Bernoulli(ps): exact, by convolution."""
     dist = poisson_binomial_pmf(ps)
     return float(min(1.0, max(dist[k:].sum(), 0.0)))
+
+
+@dataclass
+class Pits:
+    """Per draw, in sampling order: its PIT value (nan in `u_all` for an impossible token),
+    whether it was the favourite and the reference's probability of the favourite. One copy
+    for the tests (`analysis`) and the bounds (`certify`): both read the same PIT values."""
+
+    u: list[float] = field(default_factory=list)  # possible tokens only
+    u_all: list[float] = field(default_factory=list)
+    by_position: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    impossible: int = 0
+    hits: list[float] = field(default_factory=list)
+    favourite_p: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, draws: Sequence[TokenDraw], seed: int) -> Pits:
+        """The PIT's randomisation V comes from `seed`, one uniform per draw."""
+        out = cls()
+        v = np.random.default_rng(seed).random(len(draws))
+        for d, vi in zip(draws, v, strict=True):
+            u = pit(d, float(vi))
+            fav = favourite_of(d)
+            out.hits.append(1.0 if d.token == fav else 0.0)
+            out.favourite_p.append(d.ref.probs.get(fav, 0.0) / sum(d.ref.probs.values()))
+            if u is None:
+                out.impossible += 1
+                out.u_all.append(math.nan)
+                continue
+            out.u.append(u)
+            out.u_all.append(u)
+            out.by_position[d.position].append(u)
+        return out

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from specaudit.errors import SpecauditError
 from specaudit.reference import NextToken
 
+# a run's level: its tests together reject a correct engine with probability at most this, and
+# its certificate's bounds hold together with probability at least 1 - this
+DEFAULT_ALPHA = 0.01
+
 
 class RescoreError(SpecauditError):
     """A re-scored run cannot be made or cannot decide (one line, exit 2): a reference that
@@ -45,4 +49,4 @@ class TokenDraw:
     draft: NextToken | None = None
 
 
-__all__ = ["RescoreError", "TokenDraw"]
+__all__ = ["DEFAULT_ALPHA", "RescoreError", "TokenDraw"]

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.report import md_table, to_jsonable
+from specaudit.rescore.analysis import RescoreStats
+from specaudit.rescore.draft_lr import DraftEvidence
 from specaudit.rescore.engines import EngineRescoreResult
 from specaudit.rescore.runner import RescoreResult
 
@@ -88,23 +90,79 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ),
         ("drafted / accepted", f"{res.drafted} / {res.accepted}"),
         ("reference requests", res.reference_requests),
-        ("KS p (PIT uniform)", s.ks_p if s else None),
         ("favourite sampled / expected", f"{s.favourite_rate:.3f} / {s.favourite_expected:.3f}")
         if s
         else ("favourite", None),
-        ("favourite p", s.directed_p if s else None),
-        ("repeated prefixes G-tested", f"{s.g_prefixes} (p = {s.g_p:.3g})" if s else None),
+        ("repeated prefixes tested", s.g_prefixes if s else None),
         ("impossible tokens", s.impossible if s else None),
-        ("e-value (anytime-valid)", s.e_value if s else None),
+        ("PIT e-value (anytime-valid)", s.e_value if s else None),
+        ("draft-aimed e-value", _draft_cell(s.draft) if s else None),
+        ("tokens that would decide", s.needed if s and s.verdict.value == "INCONCLUSIVE" else None),
         ("seconds", round(res.total_seconds, 1)),
     ]
+
+
+def _draft_cell(d: DraftEvidence | None) -> str:
+    if d is None:
+        return "no draft distribution (give --draft-url or --draft-model)"
+    likely = f", most evidence {d.best_bug}" if d.best_bug else ""
+    return f"{d.e_value:.3g} over {d.used} tokens{likely}"
+
+
+def tests_table(s: RescoreStats) -> str:
+    """The family Holm decides over: every test the verdict accounts for, raw and adjusted."""
+    shown = [t for t in s.tests if not t.name.startswith("prefix ")]
+    prefixes = [t for t in s.tests if t.name.startswith("prefix ")]
+    rows_ = [
+        (t.name, f"{t.p_value:.3g}", f"{t.adjusted:.3g}", "yes" if t.rejects else "") for t in shown
+    ]
+    if prefixes:
+        worst = min(prefixes, key=lambda t: t.adjusted)
+        rows_.append(
+            (
+                f"{len(prefixes)} repeated prefixes (smallest shown)",
+                f"{worst.p_value:.3g}",
+                f"{worst.adjusted:.3g}",
+                str(sum(t.rejects for t in prefixes)) if any(t.rejects for t in prefixes) else "",
+            )
+        )
+    return md_table(("test", "p", "Holm-adjusted", "rejects"), rows_)
+
+
+def bounds_table(s: RescoreStats) -> str:
+    """The certificate: each bound against the tolerance."""
+    cert = s.certificate
+    if cert is None:
+        return ""
+    return md_table(
+        (
+            "bound",
+            "estimate",
+            f"upper ({cert.confidence:.0%} jointly)",
+            "tolerance",
+            "within",
+            "tokens to decide",
+        ),
+        [
+            (
+                b.what,
+                f"{b.estimate:.3g}",
+                f"{b.upper:.3g}",
+                f"{b.tolerance:.3g}",
+                "yes" if b.within else "no",
+                b.needed if not b.within else "",
+            )
+            for b in cert.bounds
+        ],
+    )
 
 
 def markdown(res: RescoreResult) -> str:
     lines = [md_table(("", ""), rows(res))]
     if res.stats:
+        lines += ["", tests_table(res.stats), "", bounds_table(res.stats)]
         lines += ["", f"**{res.stats.verdict.value}**: {res.stats.reason}.", ""]
-        lines.append(f"Power: {res.stats.power}.")
+        lines.append(f"What it certifies: {res.stats.certifies}.")
     if res.notes:
         lines += [""] + [f"- {n}" for n in res.notes]
     if res.error:
@@ -132,4 +190,13 @@ def plot_pit(res: RescoreResult, path: Path, title: str | None = None) -> Path:
     return plots.save(fig, path)
 
 
-__all__ = ["engines_json", "engines_markdown", "markdown", "plot_pit", "rows", "to_json"]
+__all__ = [
+    "bounds_table",
+    "engines_json",
+    "engines_markdown",
+    "markdown",
+    "plot_pit",
+    "rows",
+    "tests_table",
+    "to_json",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -401,7 +402,10 @@ async def run_against(
             res.reference_requests = ref.requests
     res.total_seconds = time.monotonic() - t0
     if res.error is None:
-        res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
+        res.stats = analysis.analyse(
+            res.draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance,
+            ratio_bound=math.exp(2 * lp_floor),
+        )  # fmt: skip
     return res
 
 
@@ -638,7 +642,9 @@ async def _run_self(req: RescoreRequest, progress: ProgressFn | None) -> Rescore
         if not res.draws:
             res.error = "the engine reported no distribution for any token (placeholders only)"
         else:
-            res.stats = analysis.analyse(res.draws, alpha=req.alpha, sequential=req.sequential)
+            res.stats = analysis.analyse(
+                res.draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance
+            )
     return res
 
 

@@ -33,9 +33,11 @@ FIDELITY: dict[str, Any] = {
 }
 
 
-def section(ctx: AuditContext, *, seeds: int = 20, tokens: int = 6) -> Section:
+def section(ctx: AuditContext, *, seeds: int = 45, tokens: int = 6) -> Section:
     """Re-score the stock speculating Gemma server; classify the stock, patched and one logprob
-    mutant server's tokens. `seeds`/`tokens`: per prompt (3 prompts)."""
+    mutant server's tokens. `seeds`/`tokens`: per prompt (3 prompts); 810 tokens by default,
+    enough for the certificate's bounds to come within the default tolerance (PRESERVED, not
+    only "nothing rejected")."""
     ref = ctx.server("gemma-plain").url
     ctx.progress("your model: re-scoring the speculating Gemma server")
     req = rescore.make_request(
@@ -74,7 +76,7 @@ def section(ctx: AuditContext, *, seeds: int = 20, tokens: int = 6) -> Section:
         "",
         f"**Re-scored sampling** ({len(res.samples)} samples, {res.rescored} tokens, top-k 40, "
         f"T = 1; drafted/accepted {res.drafted}/{res.accepted}): **{verdict}**"
-        + (f": {s.reason}. Power: {s.power}." if s else ""),
+        + (f": {s.reason}." if s else ""),
         "",
         f"![PIT histogram]({png.name})",
         "",
