@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs: list[int] = []
     with eng, ref:
         for r in range(args.rounds):
-            # seeds per prompt; each prompt draws its own range (runner.seed_jobs)
+            # seeds per prompt; each prompt draws its own seeds (runner.seed_jobs)
             first = 1 + r * args.seeds * len(runner.DEFAULT_PROMPTS)
             seeds = range(first, first + args.seeds)
             arms = ["sampling", "rescored"] if r % 2 == 0 else ["rescored", "sampling"]

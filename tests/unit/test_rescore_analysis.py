@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from specaudit.reference import NextToken
-from specaudit.rescore import analysis, pit
+from specaudit.rescore import analysis, pit, runner
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
@@ -188,3 +188,30 @@ def test_pit_orders_the_favourite_first() -> None:
     assert pit.order(nt, 9) == [9, 7, 5]
     assert pit.pit(d, 0.5) == pytest.approx(0.15)
     assert pit.pit(TokenDraw(1, 0, 0, "k", 5, nt, draft_favourite=9), 1.0) == 1.0
+
+
+def _by_job(draws: list[TokenDraw], per_job: int) -> tuple[list[tuple[int, int]], dict]:
+    jobs = [(i, 0) for i in range(len(draws) // per_job)]
+    return jobs, {j: draws[k * per_job : (k + 1) * per_job] for k, j in enumerate(jobs)}
+
+
+def test_a_sequential_run_stops_sampling_once_its_anytime_evidence_decides() -> None:
+    """The runner's looks (every LOOK_EVERY samples completed in sampling order): a biased
+    engine is decided long before the planned 400 samples, samples completed out of order
+    wait for the ones before them, and a correct engine is never stopped."""
+    jobs, bad = _by_job(_draws(1600, bias=0.3, seed=31), 4)
+    looks = runner._Looks(jobs, 0.01)
+    done: dict = {}
+    for j in [*jobs[1:200:2], *jobs[0:200:2], *jobs[200:]]:  # the odd ones first
+        done[j] = bad[j]
+        looks.completed(done)
+        if looks.decided_at:
+            break
+    assert looks.decided_at is not None and looks.decided_at < 200
+    assert analysis.anytime_decides([d for j in jobs[: looks.decided_at] for d in bad[j]])
+    jobs, good = _by_job(_draws(1600, seed=32), 4)
+    looks, done = runner._Looks(jobs, 0.01), {}
+    for j in jobs:
+        done[j] = good[j]
+        looks.completed(done)
+    assert looks.decided_at is None and looks.looked == len(jobs)

@@ -218,9 +218,11 @@ def test_every_prompt_draws_its_own_seeds() -> None:
     dependent, so no seed is sampled twice in a run."""
     jobs = runner.seed_jobs(7, 5, 3)
     assert len(jobs) == 15 and len({s for s, _ in jobs}) == 15
-    assert sorted(s for s, p in jobs if p == 0) == [7, 8, 9, 10, 11]
-    assert sorted(s for s, p in jobs if p == 2) == [17, 18, 19, 20, 21]
+    assert sorted(s for s, p in jobs if p == 0) == [7, 10, 13, 16, 19]
+    assert sorted(s for s, p in jobs if p == 2) == [9, 12, 15, 18, 21]
     assert [p for _, p in jobs[:3]] == [0, 1, 2]  # prompts interleaved
+    # no seed depends on N: more seeds extend a run, the same first samples in the same order
+    assert runner.seed_jobs(7, 8, 3)[:15] == jobs
     assert runner.seed_jobs(1, 4, 1) == [(1, 0), (2, 0), (3, 0), (4, 0)]
     with pytest.raises(RescoreError, match="must fit 32 bits"):
         runner.check_run(

@@ -80,7 +80,11 @@ def check_enough(tokens: int, alpha: float = DEFAULT_ALPHA) -> None:
     level = alpha / len(FIXED_TESTS)
     d = ks_detectable(tokens, level)
     if d > MAX_DETECTABLE:
-        need = next(n for n in range(tokens, 100_000) if ks_detectable(n, level) <= MAX_DETECTABLE)
+        lo, hi = tokens, 100_000  # ks_detectable falls with n: the first n within, bisected
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ks_detectable(mid, level) <= MAX_DETECTABLE else (mid + 1, hi)
+        need = lo
         raise RescoreError(
             f"{tokens} sampled tokens are too few to decide: the test could not even see "
             f"{d:.0%} of the probability mass moved (need at least {need} tokens: more seeds, "
@@ -206,6 +210,18 @@ def analyse(
         tolerance=tolerance, needed=cert.needed, certificate=cert, draft=draft, tests=family,
         per_position=_per_position(pits), prefix_tests=prefixes, u=pits.u,
     )  # fmt: skip
+
+
+def anytime_decides(
+    draws: Sequence[TokenDraw], *, alpha: float = DEFAULT_ALPHA, seed: int = 0
+) -> bool:
+    """Whether the anytime-valid evidence of `analyse(..., sequential=True)` (at alpha / 2)
+    has already decided BROKEN on these draws, the first of a run in sampling order: a
+    sequential run stops sampling there (`runner`). Impossible tokens do not stop a run:
+    whether one is beyond the reference's noise is settled once sampling ends."""
+    pits = Pits.of(draws, seed)
+    evidence = draft_lr.draft_e_process(draws, alpha)
+    return bool(_anytime(pits, evidence if evidence.used else None, alpha / 2, True)[2])
 
 
 def _fixed_tests(
@@ -350,6 +366,7 @@ __all__ = [
     "FamilyTest",
     "RescoreStats",
     "analyse",
+    "anytime_decides",
     "check_enough",
     "null_false_alarms",
 ]

@@ -98,6 +98,12 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ("PIT e-value (anytime-valid)", s.e_value if s else None),
         ("draft-aimed e-value", _draft_cell(s.draft) if s else None),
         ("tokens that would decide", s.needed if s and s.verdict.value == "INCONCLUSIVE" else None),
+        (
+            "stopped early (--sequential)",
+            f"after {res.stopped_at} samples: the anytime evidence decided"
+            if res.stopped_at
+            else None,
+        ),
         ("seconds", round(res.total_seconds, 1)),
     ]
 

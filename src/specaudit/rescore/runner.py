@@ -48,6 +48,7 @@ MAX_SEEDS = 10_000_000
 MAX_CONCURRENCY = 256
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 EDGE_CONFIRM = 8  # tokens just past the margin whose own prefix's spread is measured
+LOOK_EVERY = 16  # a sequential run reads its anytime evidence after every this many samples
 
 ProgressFn = Callable[[int, int], None]
 # (reference, first prompt's ids) -> TV between what the engine runs and the reference, or None
@@ -227,14 +228,17 @@ def check_run(
 
 
 def seed_jobs(seed_start: int, seeds: int, prompts: int) -> list[tuple[int, int]]:
-    """Every (seed, prompt) to sample, prompts interleaved: prompt p draws its own seeds,
-    seed_start + p * seeds up to seed_start + (p + 1) * seeds - 1.
+    """Every (seed, prompt) to sample, in sampling order: the i-th sample of prompt p has seed
+    seed_start + i * prompts + p, so every prompt draws its own seeds.
 
     Why not seeds 1..N on every prompt: llama.cpp's sampler draws its uniforms from a
     generator seeded by the seed alone, so one seed on two prompts gives both the same
     uniforms, and their tokens' PIT values and favourite hits are dependent. The tests assume
-    independent draws; shared seeds made a plain Gemma server fail the directed test."""
-    return [(seed_start + p * seeds + i, p) for i in range(seeds) for p in range(prompts)]
+    independent draws; shared seeds made a plain Gemma server fail the directed test. Why
+    interleaved rather than one block per prompt: no seed depends on N, so a run with more
+    seeds extends one with fewer (the same first samples, in the same order), and an
+    anytime-valid e-process over it continues where the shorter run stopped."""
+    return [(seed_start + i * prompts + p, p) for i in range(seeds) for p in range(prompts)]
 
 
 @dataclass
@@ -261,6 +265,7 @@ class RescoreResult:
     reference_requests: int = 0
     unreported: int = 0  # --self: tokens the engine reported no covering distribution for
     boundary: int = 0  # tokens at the reference's top-k edge within its own noise (not tested)
+    stopped_at: int | None = None  # --sequential: samples read when the evidence decided
     noise_tv: float | None = None  # the reference's own spread across batch shapes
     noise_logprob: float | None = None
     path: str | None = None  # the verification path a registry engine's unit runs
@@ -514,9 +519,10 @@ async def _sample_and_rescore(
     ref_failed: list[str] = []
     eng_failed: list[str] = []
     done = [0]
+    looks = _Looks(jobs, req.alpha) if req.sequential else None
 
     async def one(seed: int, p: int) -> None:
-        if eng_failed:
+        if eng_failed or (looks and looks.decided_at):
             return
         async with sem:
             try:
@@ -534,6 +540,8 @@ async def _sample_and_rescore(
                 ref_failed.append(str(e))
             return
         done[0] += 1
+        if looks:
+            looks.completed(draws)
         if progress:
             progress(done[0], len(jobs))
 
@@ -547,10 +555,35 @@ async def _sample_and_rescore(
         res.samples = [samples[k] for k in sorted(samples)]
     res.draws = [d for k in sorted(draws) for d in draws[k]]
     res.rescored = len(res.draws)
+    res.stopped_at = looks.decided_at if looks else None
     _counts(res)
-    failure = _failure(res, len(jobs), eng_failed, ref_failed)
-    if failure is not None:
-        res.error = failure
+    wanted = len(jobs) if res.stopped_at is None else len(samples)
+    res.error = _failure(res, wanted, eng_failed, ref_failed)
+
+
+class _Looks:
+    """A sequential run's looks: after every `LOOK_EVERY` samples completed in sampling order
+    (the first k jobs, whatever finished beyond them), the anytime-valid evidence is read on
+    them; once it decides (`analysis.anytime_decides`), no new sample starts. Stopping on
+    evidence valid at every look keeps the level; the jobs' order never depends on N
+    (`seed_jobs`), so a longer run is the same run continued."""
+
+    def __init__(self, jobs: Sequence[tuple[int, int]], alpha: float) -> None:
+        self.jobs = list(jobs)
+        self.alpha = alpha
+        self.ready = 0  # the first `ready` jobs are all complete
+        self.looked = 0
+        self.decided_at: int | None = None  # samples read when the evidence decided
+
+    def completed(self, draws: dict[tuple[int, int], list[TokenDraw]]) -> None:
+        while self.ready < len(self.jobs) and self.jobs[self.ready] in draws:
+            self.ready += 1
+        if self.decided_at is not None or self.ready - self.looked < LOOK_EVERY:
+            return
+        self.looked = self.ready
+        ordered = [d for job in self.jobs[: self.ready] for d in draws[job]]
+        if analysis.anytime_decides(ordered, alpha=self.alpha):
+            self.decided_at = self.ready
 
 
 async def _rescored(
