@@ -97,6 +97,42 @@ def test_a_rejection_sampler_mutant_is_broken_by_rescoring(
     assert res.stats.favourite_rate > res.stats.favourite_expected
 
 
+def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_have(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
+) -> None:
+    """The greedy draft path samples and matches: correct, its sample at every seed is the
+    plain reference's own, token for token, and the control arm (the reference sampled at the
+    same seeds, through the same test) is not broken beside it. verify-index (each draft
+    token verified with the logits of the position before) parts from the reference at the
+    first accepted draft: the coupling test rejects, and names where."""
+    spec = fixture_set.spec
+    ref = server("fixture-plain").url
+
+    def coupled(url: str) -> runner.RescoreResult:
+        req = runner.make_request(
+            url, reference_url=ref, prompt_ids=[spec.tokenize(spec.prompt)], seeds=100,
+            tokens=4, sampler=REPORT_SAMPLER, control=True, coupling=True,
+            draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
+        )  # fmt: skip
+        return runner.run(req)
+
+    good = coupled(server("fixture-spec").url)
+    assert good.error is None and good.stats is not None and good.coupling is not None
+    assert good.drafted and good.accepted  # it speculated
+    assert good.coupling.samples == 100 and good.coupling.control_samples == 64
+    assert good.coupling.diverged == good.coupling.control_diverged == 0
+    assert good.stats.verdict is not Verdict.BROKEN, good.stats.reason
+    assert good.control is not None and good.control.stats is not None
+    assert good.control.rescored == 400
+    assert good.control.stats.verdict is not Verdict.BROKEN, good.control.stats.reason
+    bins = llama.ensure(patches=(resolve("mutants/verify-index"),))
+    bad = coupled(shared_servers.fixture(bins, fixture_set, "greedy").url)
+    assert bad.stats is not None and bad.coupling is not None
+    assert bad.coupling.diverged > 10 and bad.coupling.p_value < 1e-4
+    assert bad.stats.verdict is Verdict.BROKEN
+    assert "same-seed coupling" in bad.stats.reason
+
+
 def _gemma(url: str, **ref: Any) -> runner.RescoreResult:
     req = runner.make_request(
         url,

@@ -170,6 +170,20 @@ class _RescoreCommand(click.Command):
     help="The largest deviation PRESERVED may leave unexcluded (default: dist's, 0.15); "
     "a bound above it is INCONCLUSIVE, with the tokens that would decide.",
 )
+@click.option(
+    "--control/--no-control",
+    default=True,
+    show_default=True,
+    help="With --url: also sample the reference at the same seeds and decide it through the "
+    "same test (the noisy null on your model), printed beside the engine's verdict.",
+)
+@click.option(
+    "--coupling",
+    is_flag=True,
+    help="The engine samples and matches (greedy draft, MTP, EAGLE3, n-gram): its sample at a "
+    "seed must be the reference's own; divergence beyond the reference's from itself is a "
+    "test of the family.",
+)
 @click.option("--sequential", is_flag=True, help="Decide by the anytime-valid e-process.")
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
 @click.option("--model-name", default="model", help="OpenAI model name (--engine openai).")
@@ -197,6 +211,8 @@ def command(
     min_p: float,
     alpha: float,
     tolerance: float | None,
+    control: bool,
+    coupling: bool,
     sequential: bool,
     concurrency: int,
     model_name: str,
@@ -227,7 +243,7 @@ def command(
     if dist_engines:
         _refuse_url_only_options(
             self_check=self_check, url_engine=engine != "server" or model_name != "model",
-            prompts=len(prompts), draft=bool(draft_url or draft_model),
+            prompts=len(prompts), draft=bool(draft_url or draft_model), coupling=coupling,
         )  # fmt: skip
         _dist(
             dist_engines, url=url, fixture=fixture, fixture_kind=fixture_kind, patches=patches,
@@ -249,6 +265,7 @@ def command(
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
         draft_url=draft_url, draft_model=draft_model, self_check=self_check,
+        control=control and not self_check, coupling=coupling,
         tolerance=tolerance,
     )  # fmt: skip
     total = req.seeds * req.n_prompts
@@ -267,7 +284,7 @@ def command(
 
 
 def _refuse_url_only_options(
-    *, self_check: bool, url_engine: bool, prompts: int, draft: bool
+    *, self_check: bool, url_engine: bool, prompts: int, draft: bool, coupling: bool
 ) -> None:
     """What --dist-engine cannot take (a usage error, exit 2)."""
     if self_check:
@@ -278,6 +295,8 @@ def _refuse_url_only_options(
         raise click.UsageError("--dist-engine takes one --prompt (the fixture's letters)")
     if draft:
         raise click.UsageError("--dist-engine knows its fixture's draft: no --draft-url")
+    if coupling:
+        raise click.UsageError("--coupling goes with --url (a server sampled at its seeds)")
 
 
 def _dist(

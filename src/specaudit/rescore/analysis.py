@@ -170,16 +170,18 @@ def analyse(
     sequential: bool = False,
     tolerance: float = DEFAULT_TOLERANCE,
     ratio_bound: float = 1.0,
+    extra: Sequence[ScoreTest] = (),
 ) -> RescoreStats:
     """Decide on re-scored draws (in sampling order). The PIT's randomisation comes from
     `seed` (fixed: the same draws give the same verdict). `ratio_bound`: the reference's
-    measured noise as a bound on engine/reference probability ratios (`draft_lr`)."""
+    measured noise as a bound on engine/reference probability ratios (`draft_lr`). `extra`:
+    more tests of the family, computed elsewhere (the same-seed coupling, `control`)."""
     pits = Pits.of(draws, seed)
     evidence = draft_lr.draft_e_process(draws, alpha, ratio_bound=ratio_bound)
     draft = evidence if evidence.used else None
     family_level = alpha / 2 if sequential else alpha
     whole, prefixes = _fixed_tests(draws, pits, seed)
-    members = [*whole, *prefixes]
+    members = [*whole, *prefixes, *extra]
     if draft is not None and not sequential:
         members.append(ScoreTest(DRAFT_TEST, draft.e_value, min(1.0, 1 / draft.e_value), ""))
     family = _family(members, family_level)

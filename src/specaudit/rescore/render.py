@@ -43,6 +43,9 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
         "total_seconds": res.total_seconds,
         "reference_requests": res.reference_requests,
         "stats": to_jsonable(res.stats),
+        "stopped_at": res.stopped_at,
+        "coupling": to_jsonable(res.coupling),
+        "control": to_json(res.control) if res.control is not None else None,
         "notes": res.notes,
         "samples": [to_jsonable(s) for s in res.samples],
     }
@@ -98,6 +101,8 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ("PIT e-value (anytime-valid)", s.e_value if s else None),
         ("draft-aimed e-value", _draft_cell(s.draft) if s else None),
         ("tokens that would decide", s.needed if s and s.verdict.value == "INCONCLUSIVE" else None),
+        ("control arm (the reference sampled at the same seeds)", _control_cell(res)),
+        ("same-seed coupling", res.coupling.summary() if res.coupling else None),
         (
             "stopped early (--sequential)",
             f"after {res.stopped_at} samples: the anytime evidence decided"
@@ -106,6 +111,18 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ),
         ("seconds", round(res.total_seconds, 1)),
     ]
+
+
+def _control_cell(res: RescoreResult) -> str | None:
+    c = res.control
+    if c is None:
+        return None
+    if c.stats is None:
+        return f"no decision: {c.error}"
+    return (
+        f"{c.stats.verdict.value} ({c.rescored} tokens, {c.boundary} at the top-k edge, "
+        f"{c.stats.impossible} impossible, KS p = {c.stats.ks_p:.3g})"
+    )
 
 
 def _draft_cell(d: DraftEvidence | None) -> str:

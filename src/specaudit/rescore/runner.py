@@ -37,8 +37,10 @@ from specaudit.reference import (
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
 from specaudit.rescore.certify import DEFAULT_TOLERANCE
+from specaudit.rescore.control import CONTROL_REPEATS, Coupling, couple
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
+from specaudit.rescore.scores import ScoreTest
 from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
 ENGINES = ("server", "openai")
@@ -85,6 +87,10 @@ class RescoreRequest:
     draft_model: Path | None = None
     draft: NextTokenSource | None = None
     tolerance: float = DEFAULT_TOLERANCE
+    # the reference sampled at the same seeds through the same test (`rescore.control`);
+    # `coupling`: its same-seed divergence is a test of the family (sample-and-match engines)
+    control: bool = False
+    coupling: bool = False
     # no reference: each token against the engine's own reported post-sampling distribution
     self_check: bool = False
 
@@ -115,6 +121,8 @@ def make_request(
     draft_model: Path | str | None = None,
     draft: NextTokenSource | None = None,
     tolerance: float | None = None,
+    control: bool = False,
+    coupling: bool = False,
     self_check: bool = False,
 ) -> RescoreRequest:
     """Check every input before anything is started (one-line RescoreError, exit 2)."""
@@ -133,6 +141,8 @@ def make_request(
         raise RescoreError("give one draft: a server, a model file or a closed form")
     if self_check and (draft_url or draft_path or draft):
         raise RescoreError("--self takes no draft")
+    if self_check and (control or coupling):
+        raise RescoreError("--self has no reference to sample as a control")
     tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
     if not 0 < tolerance < 1:
         raise RescoreError("--tolerance must be between 0 and 1")
@@ -153,7 +163,8 @@ def make_request(
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
         concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
-        draft_model=draft_path, draft=draft, tolerance=tolerance, self_check=self_check,
+        draft_model=draft_path, draft=draft, tolerance=tolerance, control=control,
+        coupling=coupling, self_check=self_check,
     )  # fmt: skip
 
 
@@ -266,6 +277,9 @@ class RescoreResult:
     unreported: int = 0  # --self: tokens the engine reported no covering distribution for
     boundary: int = 0  # tokens at the reference's top-k edge within its own noise (not tested)
     stopped_at: int | None = None  # --sequential: samples read when the evidence decided
+    # the reference sampled at the same seeds, decided beside the engine (`rescore.control`)
+    control: RescoreResult | None = field(default=None, repr=False)
+    coupling: Coupling | None = None
     noise_tv: float | None = None  # the reference's own spread across batch shapes
     noise_logprob: float | None = None
     path: str | None = None  # the verification path a registry engine's unit runs
@@ -396,22 +410,74 @@ async def run_against(
             seeds=req.seeds, tokens=req.tokens, sampler=req.sampler, probe_tv=tv,
             noise_tv=tv_floor, noise_logprob=lp_floor,
         )  # fmt: skip
+        margin = max(2 * lp_floor, BOUNDARY_MIN)
         try:
             await _sample_and_rescore(req, sampler, (ref, draft), prompts, res, progress)
             if res.error is None:
-                await _split_boundary(
-                    res, ref, n_probs, max(2 * lp_floor, BOUNDARY_MIN), req.timeout
-                )
+                await _split_boundary(res, ref, n_probs, margin, req.timeout)
+            if res.error is None and (req.control or req.coupling):
+                await _control_arm(req, (ref, draft), res, n_probs, margin)
         finally:
             await sampler.aclose()
             res.reference_requests = ref.requests
     res.total_seconds = time.monotonic() - t0
     if res.error is None:
-        res.stats = analysis.analyse(
-            res.draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance,
-            ratio_bound=math.exp(2 * lp_floor),
-        )  # fmt: skip
+        extra = []
+        if req.coupling and res.coupling is not None:
+            c = res.coupling
+            extra.append(ScoreTest("same-seed coupling", c.rate, c.p_value, c.summary()))
+        res.stats = _decide(req, res.draws, lp_floor, extra)
+        if res.control is not None:
+            res.control.stats = _decide(req, res.control.draws, lp_floor, [])
     return res
+
+
+def _decide(
+    req: RescoreRequest, draws: Sequence[TokenDraw], lp_floor: float, extra: Sequence[ScoreTest]
+) -> RescoreStats:
+    return analysis.analyse(
+        draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance,
+        ratio_bound=math.exp(2 * lp_floor), extra=extra,
+    )  # fmt: skip
+
+
+async def _control_arm(
+    req: RescoreRequest,
+    sources: tuple[Reference, NextTokenSource | None],
+    res: RescoreResult,
+    n_probs: int,
+    margin: float,
+) -> None:
+    """The reference sampled at the engine's seeds (`rescore.control`): its own samples
+    re-scored and left at the top-k edge as the engine's are (`res.control`, decided beside
+    the engine's), and the same-seed coupling against the engine's samples, with the
+    reference asked again for `CONTROL_REPEATS` of them."""
+    ref = sources[0]
+    smp = ServerSampler(
+        ref.url, req.sampler, req.tokens, label="reference (control)", timeout=req.timeout,
+        concurrency=req.concurrency,
+    )  # fmt: skip
+    sem = asyncio.Semaphore(req.concurrency)
+
+    async def draw(g: SeededGeneration) -> SeededGeneration:
+        async with sem:
+            return await _draw(smp, g.prompt, res.prompts[g.prompt], g.seed)
+
+    try:
+        own = list(await asyncio.gather(*(draw(g) for g in res.samples)))
+        again = list(await asyncio.gather(*(draw(g) for g in res.samples[:CONTROL_REPEATS])))
+    finally:
+        await smp.aclose()
+    ctl = dataclasses.replace(
+        res, engine=smp.label, samples=own, draws=[], rescored=0, boundary=0, control=None
+    )
+    for g in own:
+        ctl.draws += await _rescored(sources, g.seed, g.prompt, res.prompts[g.prompt], g.ids)
+    ctl.rescored = len(ctl.draws)
+    await _split_boundary(ctl, ref, n_probs, margin, req.timeout)
+    _counts(ctl)
+    res.control = ctl
+    res.coupling = couple(res.samples, own, again)
 
 
 async def _open_draft(
