@@ -108,8 +108,10 @@ class Policy:
     args: tuple[str, ...] = ()  # more llama-server arguments, after -t
 
 
-# One thread per fixture server: a tiny model gains nothing from more, and with several
-# servers on few cores extra threads cost 2-6x throughput. The fixture's context is 256 tokens
+# One thread per server: a tiny model gains nothing from more, and with several servers on
+# few cores extra threads cost 2-6x throughput (llama.cpp's idle workers spin). Gemma too:
+# its servers work in pairs (engine and reference, plain and speculating), and at one thread
+# each a re-scored Gemma run took 31 s where two threads each took 76 s (polling off: 164 s). The fixture's context is 256 tokens
 # (fixtures.FixtureConfig.context_length); the server caps a slot there anyway.
 # The context fixture (fixtures.context_spec) sees its whole context through attention: an f32
 # KV cache keeps llama.cpp's logits within float32 rounding of the closed form whether flash
@@ -126,7 +128,7 @@ POLICIES = {
         parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
     ),
     "fixture-replay": Policy(parallel=4, ctx_per_slot=256, threads=1),
-    "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=None),
+    "gemma": Policy(parallel=2, ctx_per_slot=2048, threads=1),
 }
 
 
