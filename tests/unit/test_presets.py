@@ -35,7 +35,7 @@ def test_every_role_is_sized_by_its_model_policy(tmp_path: Path) -> None:
 
 
 def test_audit_sizes_are_unchanged(tmp_path: Path) -> None:
-    """The sizes the audit always used: fixture 4 slots x 256 on one thread, Gemma 2 x 2048."""
+    """The sizes the audit uses: fixture 4 slots x 256, Gemma 2 x 2048, each on one thread."""
     fx = _args(presets.for_preset(presets.PRESETS["fixture-spec"], _bins(tmp_path),
                                   tmp_path / "t", tmp_path / "d"))  # fmt: skip
     assert fx[fx.index("-np") + 1] == "4" and fx[fx.index("-c") + 1] == "1024"
@@ -43,7 +43,7 @@ def test_audit_sizes_are_unchanged(tmp_path: Path) -> None:
     assert fx[fx.index("--spec-type") + 1] == "draft-simple"
     g = _args(presets.for_preset(presets.PRESETS["gemma-ngram"], _bins(tmp_path),
                                  tmp_path / "g", tmp_path / "g"))  # fmt: skip
-    assert g[g.index("-c") + 1] == "4096" and "-md" not in g and "-t" not in g
+    assert g[g.index("-c") + 1] == "4096" and "-md" not in g and g[g.index("-t") + 1] == "1"
 
 
 def test_overrides_and_draft_types(tmp_path: Path) -> None:
@@ -72,4 +72,4 @@ def test_extra_args_are_appended_after_the_policy(tmp_path: Path) -> None:
                          extra_args=["--spec-synth-len", "3"])  # fmt: skip
     assert _args(srv)[-4:] == ["-t", "1", "--spec-synth-len", "3"]
     g = presets.server(_bins(tmp_path), tmp_path / "g", kind="gemma", extra_args=["-fa", "on"])
-    assert _args(g)[-2:] == ["-fa", "on"] and "-t" not in _args(g)
+    assert _args(g)[-4:] == ["-t", "1", "-fa", "on"]
