@@ -111,8 +111,9 @@ class Policy:
 # One thread per server: a tiny model gains nothing from more, and with several servers on
 # few cores extra threads cost 2-6x throughput (llama.cpp's idle workers spin). Gemma too:
 # its servers work in pairs (engine and reference, plain and speculating), and at one thread
-# each a re-scored Gemma run took 31 s where two threads each took 76 s (polling off: 164 s). The fixture's context is 256 tokens
-# (fixtures.FixtureConfig.context_length); the server caps a slot there anyway.
+# each a re-scored Gemma run took 31 s where two threads each took 76 s (polling off: 164 s).
+# The fixture's context is 256 tokens (fixtures.FixtureConfig.context_length); the server caps
+# a slot there anyway.
 # The context fixture (fixtures.context_spec) sees its whole context through attention: an f32
 # KV cache keeps llama.cpp's logits within float32 rounding of the closed form whether flash
 # attention is on (the default on CPU; K and V are cast to f16, exact for that fixture) or off
