@@ -177,14 +177,7 @@ def check_reference(
     itself when neither is given, `--self` has none)."""
     if required and (reference_url is None) == (reference_model is None):
         raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
-    if reference_url is not None and reference_model is not None:
-        raise RescoreError("give at most one of --reference-url and --reference-model")
-    if reference_url is not None:
-        reference_url = validate.url(reference_url, "--reference-url", RescoreError)
-    ref_model = Path(reference_model) if reference_model is not None else None
-    if ref_model is not None and not ref_model.is_file():
-        raise RescoreError(f"--reference-model {ref_model} is not a file")
-    return reference_url, ref_model
+    return _server_or_file(reference_url, reference_model, "reference")
 
 
 def check_draft(
@@ -192,14 +185,21 @@ def check_draft(
 ) -> tuple[str | None, Path | None]:
     """The draft of a re-scored run, checked (one-line RescoreError): at most one of a
     parseable `draft_url` and an existing `draft_model` file."""
-    if draft_url is not None and draft_model is not None:
-        raise RescoreError("give at most one of --draft-url and --draft-model")
-    if draft_url is not None:
-        draft_url = validate.url(draft_url, "--draft-url", RescoreError)
-    path = Path(draft_model) if draft_model is not None else None
+    return _server_or_file(draft_url, draft_model, "draft")
+
+
+def _server_or_file(
+    url: str | None, model: Path | str | None, role: str
+) -> tuple[str | None, Path | None]:
+    """At most one of --ROLE-url (parseable) and --ROLE-model (an existing file)."""
+    if url is not None and model is not None:
+        raise RescoreError(f"give at most one of --{role}-url and --{role}-model")
+    if url is not None:
+        url = validate.url(url, f"--{role}-url", RescoreError)
+    path = Path(model) if model is not None else None
     if path is not None and not path.is_file():
-        raise RescoreError(f"--draft-model {path} is not a file")
-    return draft_url, path
+        raise RescoreError(f"--{role}-model {path} is not a file")
+    return url, path
 
 
 def check_run(
