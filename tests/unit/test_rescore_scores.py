@@ -18,7 +18,7 @@ from specaudit.reference import NextToken
 from specaudit.rescore import scores
 from specaudit.rescore.pit import poisson_binomial_pmf, poisson_binomial_sf
 from specaudit.rescore.records import TokenDraw
-from specaudit.stats import holm, multinomial_gof
+from specaudit.stats import multinomial_gof
 
 
 def _draw(
@@ -246,14 +246,6 @@ def test_nothing_to_test_is_p_one_not_an_error() -> None:
         for test in (scores.surprisal_test, scores.rank_bin_test, scores.favourite_test):
             assert test(draws).p_value == 1.0
     assert scores.prefix_tests(impossible, min_draws=1) == []
-
-
-def test_holm_family_rejects_what_holm_adjusts_below_alpha() -> None:
-    tests = [scores.ScoreTest(f"t{i}", 0.0, p, "") for i, p in enumerate([0.001, 0.04, 0.012])]
-    fam = scores.holm_family(tests, 0.03)
-    assert list(fam.adjusted) == holm([0.001, 0.04, 0.012])
-    assert fam.rejected == (True, False, True) and fam.any_rejected
-    assert [t.name for t, _ in fam.rejections()] == ["t0", "t2"]
 
 
 # --- calibration and power ---------------------------------------------------------------

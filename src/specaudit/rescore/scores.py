@@ -24,8 +24,8 @@ as the CLT otherwise, with the per-term skewness the CLT misses; the benchmark
 chain whose distributions depend on the token before.
 
 Tokens outside the reference's support (p = 0) are left out here: they are BROKEN on their
-own and counted by the caller. Every test returns a `ScoreTest`; `holm_family` combines a list
-of them at level alpha.
+own and counted by the caller. Every test returns a `ScoreTest`; `analysis` combines them,
+Holm at alpha, with the run's other tests.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from scipy import stats as st
 
 from specaudit.rescore.pit import favourite_of, poisson_binomial_pmf
 from specaudit.rescore.records import TokenDraw
-from specaudit.stats import MC_DRAWS, SKEW_LIMIT, TINY_P, holm, mc_pvalue, multinomial_gof
+from specaudit.stats import MC_DRAWS, SKEW_LIMIT, TINY_P, mc_pvalue, multinomial_gof
 from specaudit.stats.gof import MIN_EXPECTED, pool_sparse
 
 __all__ = [
@@ -54,11 +54,9 @@ __all__ = [
     "RANK_EDGES",
     "SHARE_LIMIT",
     "STOP_HITS",
-    "HolmFamily",
     "RankBins",
     "ScoreTest",
     "favourite_test",
-    "holm_family",
     "prefix_tests",
     "rank_bin_moments",
     "rank_bin_test",
@@ -575,35 +573,3 @@ def prefix_tests(
         )
         out.append(ScoreTest(f"prefix {key}", res.statistic, res.p_value, detail))
     return out
-
-
-# --- the family --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HolmFamily:
-    """Tests combined by Holm's step-down at `alpha`: their adjusted p-values and which reject
-    (together the family-wise error stays at alpha, whatever the tests' dependence)."""
-
-    tests: tuple[ScoreTest, ...]
-    adjusted: tuple[float, ...]
-    rejected: tuple[bool, ...]
-    alpha: float
-
-    @property
-    def any_rejected(self) -> bool:
-        return any(self.rejected)
-
-    def rejections(self) -> list[tuple[ScoreTest, float]]:
-        """The rejected tests with their adjusted p-values, smallest first."""
-        out = [
-            (t, a) for t, a, r in zip(self.tests, self.adjusted, self.rejected, strict=True) if r
-        ]
-        return sorted(out, key=lambda x: x[1])
-
-
-def holm_family(tests: Sequence[ScoreTest], alpha: float) -> HolmFamily:
-    """Holm over `tests` (`stats.holm`): a test rejects when its adjusted p-value is below
-    alpha."""
-    adjusted = holm([t.p_value for t in tests])
-    return HolmFamily(tuple(tests), tuple(adjusted), tuple(a < alpha for a in adjusted), alpha)
