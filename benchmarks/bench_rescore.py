@@ -27,7 +27,7 @@ from specaudit import llama, models
 from specaudit.fixtures import SamplerSettings
 from specaudit.llama import LlamaServer
 from specaudit.reference import Reference
-from specaudit.rescore import runner
+from specaudit.rescore import request, runner
 from specaudit.rescore.sampling import ServerSampler
 
 SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
@@ -36,7 +36,7 @@ SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> float:
     """Seconds to draw every (seed, prompt) sample from the engine, `conc` at a time."""
     async with Reference(ref_url, SAMPLER) as ref:  # tokenises the prompts, untimed
-        prompts = [await ref.tokenize(p) for p in runner.DEFAULT_PROMPTS]
+        prompts = [await ref.tokenize(p) for p in request.DEFAULT_PROMPTS]
     smp = ServerSampler(url, SAMPLER, tokens, concurrency=conc)
     sem = asyncio.Semaphore(conc)
 
@@ -46,7 +46,7 @@ async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: i
 
     t0 = time.monotonic()
     try:
-        jobs = runner.seed_jobs(seeds.start, len(seeds), len(prompts))  # as rescore.run draws
+        jobs = request.seed_jobs(seeds.start, len(seeds), len(prompts))  # as rescore.run draws
         await asyncio.gather(*(one(s, p) for s, p in jobs))
     finally:
         await smp.aclose()
@@ -54,7 +54,7 @@ async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: i
 
 
 def rescored(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> tuple[float, int]:
-    req = runner.make_request(
+    req = request.make_request(
         url,
         reference_url=ref_url,
         seeds=len(seeds),
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs: list[int] = []
     with eng, ref:
         for r in range(args.rounds):
-            # seeds per prompt; each prompt draws its own seeds (runner.seed_jobs)
-            first = 1 + r * args.seeds * len(runner.DEFAULT_PROMPTS)
+            # seeds per prompt; each prompt draws its own seeds (request.seed_jobs)
+            first = 1 + r * args.seeds * len(request.DEFAULT_PROMPTS)
             seeds = range(first, first + args.seeds)
             arms = ["sampling", "rescored"] if r % 2 == 0 else ["rescored", "sampling"]
             for arm in arms:
@@ -115,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    n_tok = args.seeds * len(runner.DEFAULT_PROMPTS) * args.tokens
+    n_tok = args.seeds * len(request.DEFAULT_PROMPTS) * args.tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"\nGemma 3 270M, draft-simple with itself; {args.seeds} seeds x "
-        f"{len(runner.DEFAULT_PROMPTS)} prompts x {args.tokens} tokens = {n_tok} tokens per "
+        f"{len(request.DEFAULT_PROMPTS)} prompts x {args.tokens} tokens = {n_tok} tokens per "
         f"round, concurrency {conc}, {args.threads} thread(s) per server, {args.rounds} rounds\n"
     )
     print("| arm | median s | min-max s | reference requests |")

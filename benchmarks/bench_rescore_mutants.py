@@ -39,7 +39,7 @@ from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama import LlamaServer
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
-from specaudit.rescore import analysis, runner
+from specaudit.rescore import analysis, request, runner
 from specaudit.rescore import fixture as fixture_ref
 
 ALPHA = 0.01
@@ -90,7 +90,7 @@ def rescore_looks(
     pooled: runner.RescoreResult | None = None
     start = seed_start
     for n in looks(total_seeds, first):
-        res = runner.run(runner.make_request(**base, seeds=n, seed_start=start))
+        res = runner.run(request.make_request(**base, seeds=n, seed_start=start))
         start += n
         if pooled is None:
             pooled = res

@@ -76,19 +76,26 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     sys.modules.pop("toy_engine", None)
 
 
-# Seconds per test directory (setup, call and teardown of every test), printed at the end of a
-# run: the suite's time budget (README, benchmarks/bench_suite.py) is stated per directory.
+# Seconds per test directory, printed at the end of a run: the suite's time budget (README,
+# benchmarks/bench_suite.py) is stated per directory. Two figures: the wall span (the first
+# test's start to the last one's end, what the budget counts) and the tests' summed seconds
+# (setup, call and teardown), which exceed the span when xdist runs tests side by side.
 _SECONDS_PER_DIR: dict[str, float] = {}
+_SPAN_PER_DIR: dict[str, tuple[float, float]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     folder = report.nodeid.split("::", 1)[0].rsplit("/", 1)[0]
     _SECONDS_PER_DIR[folder] = _SECONDS_PER_DIR.get(folder, 0.0) + report.duration
+    first, last = _SPAN_PER_DIR.get(folder, (report.start, report.stop))
+    _SPAN_PER_DIR[folder] = (min(first, report.start), max(last, report.stop))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _SECONDS_PER_DIR:
         return
-    terminalreporter.section("seconds per directory")
+    terminalreporter.section("seconds per directory (wall span, summed test seconds)")
     for folder, seconds in sorted(_SECONDS_PER_DIR.items()):
-        terminalreporter.write_line(f"{folder:<24} {seconds:9.1f} s")
+        first, last = _SPAN_PER_DIR[folder]
+        wall = last - first
+        terminalreporter.write_line(f"{folder:<24} {wall:9.1f} s wall {seconds:9.1f} s tests")

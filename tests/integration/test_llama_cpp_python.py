@@ -100,11 +100,11 @@ def test_rescore_openai_engine_on_llama_cpp_python(
     against a plain llama-server of the same file, prompt lookup drafting and all."""
     from specaudit.fixtures import REPORT_SAMPLER
     from specaudit.rescore import fixture as fixture_ref
-    from specaudit.rescore import runner
+    from specaudit.rescore import request, runner
 
     spec = fixture_set.spec
     models = httpx.get(lcp_server.url + "/v1/models", timeout=30).json()
-    req = runner.make_request(
+    req = request.make_request(
         lcp_server.url,
         engine="openai",
         reference_url=server("fixture-plain").url,

@@ -21,7 +21,7 @@ from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
 from specaudit.reference import Reference
 from specaudit.rescore import fixture as fixture_ref
-from specaudit.rescore import runner
+from specaudit.rescore import request, runner
 from specaudit.rescore.records import RescoreError
 from specaudit.stats import Verdict
 
@@ -30,9 +30,9 @@ GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 
 def _fixture_request(
     url: str, ref_url: str, fs: fixtures.FixtureSet, seeds: int = 300
-) -> runner.RescoreRequest:
+) -> request.RescoreRequest:
     spec = fs.spec
-    return runner.make_request(
+    return request.make_request(
         url,
         reference_url=ref_url,
         prompt_ids=[spec.tokenize(spec.prompt)],
@@ -109,7 +109,7 @@ def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_hav
     ref = server("fixture-plain").url
 
     def coupled(url: str) -> runner.RescoreResult:
-        req = runner.make_request(
+        req = request.make_request(
             url, reference_url=ref, prompt_ids=[spec.tokenize(spec.prompt)], seeds=100,
             tokens=4, sampler=REPORT_SAMPLER, control=True, coupling=True,
             draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
@@ -134,9 +134,9 @@ def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_hav
 
 
 def _gemma(url: str, **ref: Any) -> runner.RescoreResult:
-    req = runner.make_request(
+    req = request.make_request(
         url,
-        prompts=runner.DEFAULT_PROMPTS,
+        prompts=request.DEFAULT_PROMPTS,
         seeds=20,
         tokens=6,
         sampler=GEMMA_SAMPLER,
@@ -183,7 +183,7 @@ def test_gemma_speculating_with_itself_is_not_broken(
 
 
 def test_a_reference_that_speculates_is_refused(server: Callable[..., Any]) -> None:
-    req = runner.make_request(
+    req = request.make_request(
         server("fixture-plain").url, reference_url=server("fixture-spec").url, seeds=100
     )
     with pytest.raises(RescoreError, match="speculates"):
@@ -191,7 +191,7 @@ def test_a_reference_that_speculates_is_refused(server: Callable[..., Any]) -> N
 
 
 def test_a_different_model_is_refused(server: Callable[..., Any]) -> None:
-    req = runner.make_request(
+    req = request.make_request(
         server("gemma-plain").url, reference_url=server("fixture-plain").url, seeds=100
     )
     with pytest.raises(RescoreError, match="do not serve the same model"):
@@ -199,7 +199,7 @@ def test_a_different_model_is_refused(server: Callable[..., Any]) -> None:
 
 
 def test_top_k_zero_on_gemma_is_refused(server: Callable[..., Any]) -> None:
-    req = runner.make_request(
+    req = request.make_request(
         server("gemma-spec").url,
         reference_url=server("gemma-plain").url,
         seeds=100,
@@ -236,7 +236,7 @@ def test_a_reference_dying_mid_run_keeps_every_sample(
 
 def _self_request(url: str, fs: fixtures.FixtureSet, sampler: SamplerSettings) -> Any:
     spec = fs.spec
-    return runner.make_request(
+    return request.make_request(
         url,
         self_check=True,
         prompt_ids=[spec.tokenize(spec.prompt)],

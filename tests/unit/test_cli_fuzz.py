@@ -36,7 +36,13 @@ from specaudit.llama import free_port
 
 CliFn = Callable[..., tuple[int, str, str]]
 SKIP_COMMANDS = {("proxy",)}  # a server that runs until stopped; its owner fuzzes it
-CLOSED = f"http://127.0.0.1:{free_port()}"  # nothing listens here (process cases)
+# nothing listens here: filled in when a case runs (`fill`, `_closed`), so a test's id is the same
+# in every collection (pytest-xdist's workers must collect the same ids)
+CLOSED = "{closed}"
+
+
+def _closed() -> str:
+    return f"http://127.0.0.1:{free_port()}"
 HUGE_INT = "9" * 40
 NOT_UTF8 = os.fsdecode(b"\xff\xfe")
 
@@ -187,6 +193,7 @@ def fill(args: list[str], tmp_path: Path, fixture: Path, server: str = CLOSED) -
         "{file}": str(tmp_path / "a-file"),
         "{fixture}": str(fixture),
         "{server}": server,
+        CLOSED: _closed(),  # after {server}: a case without a server gets a closed port
     }
     out = []
     for a in args:
@@ -323,6 +330,8 @@ def test_hostile_argv_bytes_as_a_process(tmp_path: Path, argv: list[bytes]) -> N
         "SPECAUDIT_LLAMA_BIN": str(empty),
         "PATH": "/nonexistent",  # no cmake, no compiler: a build could not even start
     }
+    closed = _closed().encode()
+    argv = [a.replace(CLOSED.encode(), closed) for a in argv]
     r = subprocess.run(
         [os.fsencode(sys.executable), b"-m", b"specaudit", *argv],
         capture_output=True,

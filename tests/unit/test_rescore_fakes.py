@@ -16,7 +16,7 @@ from specaudit import reference as refmod
 from specaudit.client import ClientError
 from specaudit.fixtures import SamplerSettings
 from specaudit.reference import NextToken, ReferenceUnusable
-from specaudit.rescore import runner, spread
+from specaudit.rescore import request, runner, spread
 from specaudit.rescore.records import RescoreError
 from specaudit.rescore.sampling import OpenAISampler, SeededGeneration, ServerSampler
 
@@ -202,30 +202,30 @@ def test_text_that_does_not_round_trip_is_refused(monkeypatch: pytest.MonkeyPatc
 
 def test_bad_requests_are_one_line_errors() -> None:
     with pytest.raises(RescoreError, match="exactly one of"):
-        runner.make_request("http://127.0.0.1:9", seeds=100)
+        request.make_request("http://127.0.0.1:9", seeds=100)
     with pytest.raises(RescoreError, match="temperature 0"):
-        runner.make_request(
+        request.make_request(
             "http://127.0.0.1:9",
             reference_url="http://127.0.0.1:8",
             sampler=SamplerSettings(top_k=3, temperature=0.0),
         )
     with pytest.raises(RescoreError, match="too few to decide"):
-        runner.make_request("http://127.0.0.1:9", reference_url="http://127.0.0.1:8", seeds=2)
+        request.make_request("http://127.0.0.1:9", reference_url="http://127.0.0.1:8", seeds=2)
 
 
 def test_every_prompt_draws_its_own_seeds() -> None:
     """One seed on two prompts gives both llama.cpp's same uniforms: their draws would be
     dependent, so no seed is sampled twice in a run."""
-    jobs = runner.seed_jobs(7, 5, 3)
+    jobs = request.seed_jobs(7, 5, 3)
     assert len(jobs) == 15 and len({s for s, _ in jobs}) == 15
     assert sorted(s for s, p in jobs if p == 0) == [7, 10, 13, 16, 19]
     assert sorted(s for s, p in jobs if p == 2) == [9, 12, 15, 18, 21]
     assert [p for _, p in jobs[:3]] == [0, 1, 2]  # prompts interleaved
     # no seed depends on N: more seeds extend a run, the same first samples in the same order
-    assert runner.seed_jobs(7, 8, 3)[:15] == jobs
-    assert runner.seed_jobs(1, 4, 1) == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    assert request.seed_jobs(7, 8, 3)[:15] == jobs
+    assert request.seed_jobs(1, 4, 1) == [(1, 0), (2, 0), (3, 0), (4, 0)]
     with pytest.raises(RescoreError, match="must fit 32 bits"):
-        runner.check_run(
+        request.check_run(
             seeds=1000, tokens=8, alpha=0.01, concurrency=1, seed_start=2**32 - 2500,
             sampler=SamplerSettings(top_k=3, temperature=1.0), prompts=3,
         )  # fmt: skip

@@ -237,7 +237,7 @@ def command(
     --path).
     """
     from specaudit.fixtures import SamplerSettings
-    from specaudit.rescore import render, runner
+    from specaudit.rescore import render, request, runner
 
     sampler = SamplerSettings(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
     if dist_engines:
@@ -260,7 +260,7 @@ def command(
         raise click.UsageError(f"{given[0]} needs --dist-engine")
     if url is None:
         raise click.UsageError("give --url (the engine under test) or --dist-engine NAME")
-    req = runner.make_request(
+    req = request.make_request(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,

@@ -114,6 +114,10 @@ class ManagedServer:
         self.startup_timeout = startup_timeout
         self.host = "127.0.0.1"
         self.port = 0
+        # a log of our own choosing (a temp file) goes when the server is stopped in good
+        # health: nothing is left to read in it, and every run would leave files in /tmp. One
+        # whose server died on its own stays (an error names it), as does a log the caller named
+        self._own_log = log_path is None
         self.log_path = log_path or _temp_log(name)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -139,7 +143,7 @@ class ManagedServer:
                 self._spawn_and_wait()
                 return self
             except ServerError as e:
-                self.stop()
+                self.stop(keep_log=True)
                 last = e
                 if "bind" not in e.log_tail and "address already in use" not in e.log_tail:
                     raise
@@ -182,10 +186,14 @@ class ManagedServer:
                     )
                 time.sleep(self.poll_interval)
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL it; idempotent."""
+    def stop(self, grace: float = 10.0, *, keep_log: bool = False) -> None:
+        """SIGTERM the process group, then SIGKILL it; idempotent. `keep_log`: a failure
+        names the log, so it stays."""
+        healthy = self.alive() and not keep_log
         stop_process_group(self.proc, grace)
         _LIVE.discard(self)
+        if healthy and self._own_log:
+            self.log_path.unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -194,7 +202,7 @@ class ManagedServer:
         try:
             return self.start()
         except BaseException:
-            self.stop()
+            self.stop(keep_log=True)
             raise
 
     def __exit__(

@@ -4,7 +4,8 @@ Why: `dist` proves things about fixtures with a closed form; nobody can load a f
 server they run in production. Here every token an engine samples is re-scored by a
 *reference* (`specaudit.reference`): the same model file served without speculation, asked for
 its processed next-token distribution given the exact token-id prefix. `records` holds the
-per-token value every part shares (the sampler fills it, the statistics read it); `sampling`
+per-token value every part shares (the sampler fills it, the statistics read it); `request`
+checks a run's inputs; `runner` runs it; `sampling`
 draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: a token
 the reference forbids is BROKEN on its own, otherwise one Holm family (`pit`'s KS, `scores`'
 surprisal, rank bins, two-sided favourite and exact per-prefix tests, `draft_lr`'s e-process
@@ -14,13 +15,8 @@ when the draft is known) decides BROKEN, with `sequential` beside anytime-valid 
 
 from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms
 from specaudit.rescore.records import RescoreError, TokenDraw
-from specaudit.rescore.runner import (
-    DEFAULT_PROMPTS,
-    RescoreRequest,
-    RescoreResult,
-    make_request,
-    run,
-)
+from specaudit.rescore.request import DEFAULT_PROMPTS, RescoreRequest, make_request
+from specaudit.rescore.runner import RescoreResult, run
 
 __all__ = [
     "DEFAULT_PROMPTS",

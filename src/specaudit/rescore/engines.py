@@ -39,7 +39,7 @@ from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
 from specaudit.outcome import Outcome
 from specaudit.reference import Reference, start_reference
-from specaudit.rescore import runner
+from specaudit.rescore import request, runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.certify import DEFAULT_TOLERANCE
 from specaudit.rescore.fixture import FixtureDraft, text_of
@@ -186,10 +186,10 @@ def make_request(
             )
         if registry.get(name).url and not url:
             raise RescoreError(f"--dist-engine {name} needs --url")
-    reference_url, ref_model = runner.check_reference(
+    reference_url, ref_model = request.check_reference(
         reference_url, reference_model, required=False
     )
-    runner.check_run(
+    request.check_run(
         seeds=seeds, tokens=tokens, alpha=alpha, concurrency=concurrency, sampler=sampler
     )
     own: dict[str, Any] = dict(options)  # the engines' own options (`EngineOption.param`)
@@ -279,7 +279,7 @@ def _rescore_unit(
     truth = unit.spec or spec  # the fixture the engine runs (a converted copy, or the same)
     wl = dist.workload
     eng = unit.engine
-    rreq = runner.RescoreRequest(
+    rreq = request.RescoreRequest(
         url=ref_url, engine=f"dist:{name}", reference_url=ref_url,
         prompts=(), prompt_ids=(tuple(spec.tokenize(wl.prompt)),), seeds=dist.seeds,
         seed_start=dist.seed_start, tokens=wl.tokens, sampler=wl.sampler, alpha=req.alpha,

@@ -15,11 +15,9 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from specaudit import validate
 from specaudit.client import AsyncClient, ClientError
-from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
+from specaudit.fixtures import SamplerSettings
 from specaudit.outcome import Outcome
 from specaudit.reference import (
     ModelIdentity,
@@ -35,19 +33,14 @@ from specaudit.reference import (
     support_size,
 )
 from specaudit.rescore import analysis
-from specaudit.rescore.analysis import DEFAULT_ALPHA, RescoreStats
-from specaudit.rescore.certify import DEFAULT_TOLERANCE
+from specaudit.rescore.analysis import RescoreStats
 from specaudit.rescore.control import CONTROL_REPEATS, Coupling, couple
 from specaudit.rescore.records import RescoreError, TokenDraw
+from specaudit.rescore.request import RescoreRequest, seed_jobs
 from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
 from specaudit.rescore.scores import ScoreTest
 from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
 
-ENGINES = ("server", "openai")
-DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
-MAX_TOKENS = 512
-MAX_SEEDS = 10_000_000
-MAX_CONCURRENCY = 256
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 EDGE_CONFIRM = 8  # tokens just past the margin whose own prefix's spread is measured
 LOOK_EVERY = 16  # a sequential run reads its anytime evidence after every this many samples
@@ -55,201 +48,6 @@ LOOK_EVERY = 16  # a sequential run reads its anytime evidence after every this 
 ProgressFn = Callable[[int, int], None]
 # (reference, first prompt's ids) -> TV between what the engine runs and the reference, or None
 ProbeFn = Callable[[Reference, Sequence[int]], Awaitable[float | None]]
-
-
-@dataclass(frozen=True)
-class RescoreRequest:
-    """A re-scored run, checked (`make_request`). Exactly one of `reference_url` and
-    `reference_model` is set: a running plain llama-server, or a model file specaudit serves
-    as one itself."""
-
-    url: str
-    engine: str = "server"
-    reference_url: str | None = None
-    reference_model: Path | None = None
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    prompt_ids: tuple[tuple[int, ...], ...] = ()  # given as ids: no tokenizer involved
-    seeds: int = 200
-    seed_start: int = 1
-    tokens: int = 8
-    sampler: SamplerSettings = REPORT_SAMPLER
-    alpha: float = DEFAULT_ALPHA
-    sequential: bool = False
-    concurrency: int = 4
-    timeout: float = 60.0
-    label: str | None = None
-    model: str = "model"  # the OpenAI model name (--engine openai)
-    # the draft's processed distribution q at every prefix: a plain llama-server serving the
-    # draft model (`draft_url`, or `draft_model` that specaudit serves itself), or a source
-    # that needs no server (a fixture's closed form). q aims the tests at the bugs
-    # speculation makes; it never enters their validity, which rests on the reference alone
-    draft_url: str | None = None
-    draft_model: Path | None = None
-    draft: NextTokenSource | None = None
-    tolerance: float = DEFAULT_TOLERANCE
-    # the reference sampled at the same seeds through the same test (`rescore.control`);
-    # `coupling`: its same-seed divergence is a test of the family (sample-and-match engines)
-    control: bool = False
-    coupling: bool = False
-    # no reference: each token against the engine's own reported post-sampling distribution
-    self_check: bool = False
-
-    @property
-    def n_prompts(self) -> int:
-        return len(self.prompt_ids) or len(self.prompts)
-
-
-def make_request(
-    url: str,
-    *,
-    engine: str = "server",
-    reference_url: str | None = None,
-    reference_model: Path | str | None = None,
-    prompts: Sequence[str] = (),
-    prompt_ids: Sequence[Sequence[int]] = (),
-    seeds: int = 200,
-    seed_start: int = 1,
-    tokens: int = 8,
-    sampler: SamplerSettings = REPORT_SAMPLER,
-    alpha: float = DEFAULT_ALPHA,
-    sequential: bool = False,
-    concurrency: int = 4,
-    timeout: float = 60.0,
-    label: str | None = None,
-    model: str = "model",
-    draft_url: str | None = None,
-    draft_model: Path | str | None = None,
-    draft: NextTokenSource | None = None,
-    tolerance: float | None = None,
-    control: bool = False,
-    coupling: bool = False,
-    self_check: bool = False,
-) -> RescoreRequest:
-    """Check every input before anything is started (one-line RescoreError, exit 2)."""
-    url = validate.url(url, "--url", RescoreError)
-    if engine not in ENGINES:
-        raise RescoreError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
-    if self_check and (
-        reference_url is not None or reference_model is not None or engine != "server"
-    ):
-        raise RescoreError("--self takes no reference and needs --engine server")
-    reference_url, ref_model = check_reference(
-        reference_url, reference_model, required=not self_check
-    )
-    draft_url, draft_path = check_draft(draft_url, draft_model)
-    if draft is not None and (draft_url or draft_path):
-        raise RescoreError("give one draft: a server, a model file or a closed form")
-    if self_check and (draft_url or draft_path or draft):
-        raise RescoreError("--self takes no draft")
-    if self_check and (control or coupling):
-        raise RescoreError("--self has no reference to sample as a control")
-    tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
-    if not 0 < tolerance < 1:
-        raise RescoreError("--tolerance must be between 0 and 1")
-    if prompt_ids and engine != "server":
-        raise RescoreError("prompts as token ids need --engine server")
-    ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
-    texts = tuple(prompts) or (() if ids else DEFAULT_PROMPTS)
-    if any(not p for p in texts) or any(not p for p in ids):
-        raise RescoreError("every prompt must be non-empty")
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise RescoreError(f"--tokens must be between 1 and {MAX_TOKENS}")
-    check_run(
-        seeds=seeds, seed_start=seed_start, tokens=tokens, prompts=len(ids) or len(texts),
-        alpha=alpha, concurrency=concurrency, sampler=sampler,
-    )  # fmt: skip
-    return RescoreRequest(
-        url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
-        prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
-        tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
-        concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
-        draft_model=draft_path, draft=draft, tolerance=tolerance, control=control,
-        coupling=coupling, self_check=self_check,
-    )  # fmt: skip
-
-
-def check_reference(
-    reference_url: str | None, reference_model: Path | str | None, *, required: bool
-) -> tuple[str | None, Path | None]:
-    """The reference of a re-scored run, checked (one-line RescoreError): a parseable
-    `reference_url` or an existing `reference_model` file, never both. `required`: exactly
-    one (`rescore --url`); otherwise at most one (`--dist-engine` serves the fixture's GGUF
-    itself when neither is given, `--self` has none)."""
-    if required and (reference_url is None) == (reference_model is None):
-        raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
-    return _server_or_file(reference_url, reference_model, "reference")
-
-
-def check_draft(
-    draft_url: str | None, draft_model: Path | str | None
-) -> tuple[str | None, Path | None]:
-    """The draft of a re-scored run, checked (one-line RescoreError): at most one of a
-    parseable `draft_url` and an existing `draft_model` file."""
-    return _server_or_file(draft_url, draft_model, "draft")
-
-
-def _server_or_file(
-    url: str | None, model: Path | str | None, role: str
-) -> tuple[str | None, Path | None]:
-    """At most one of --ROLE-url (parseable) and --ROLE-model (an existing file)."""
-    if url is not None and model is not None:
-        raise RescoreError(f"give at most one of --{role}-url and --{role}-model")
-    if url is not None:
-        url = validate.url(url, f"--{role}-url", RescoreError)
-    path = Path(model) if model is not None else None
-    if path is not None and not path.is_file():
-        raise RescoreError(f"--{role}-model {path} is not a file")
-    return url, path
-
-
-def check_run(
-    *,
-    seeds: int,
-    tokens: int,
-    alpha: float,
-    concurrency: int,
-    sampler: SamplerSettings,
-    prompts: int = 1,
-    seed_start: int | None = None,
-) -> None:
-    """What every re-scored run needs, checked before anything starts (one-line RescoreError):
-    the seed count (and, given `seed_start`, that the seeds fit llama.cpp's 32-bit seed; a
-    `dist` request checks its own range), alpha, concurrency, a temperature above 0, and
-    enough sampled tokens (`seeds * tokens * prompts`) to decide."""
-    if seed_start is None:
-        if not 1 <= seeds <= MAX_SEEDS:
-            raise RescoreError(f"--seeds must be between 1 and {MAX_SEEDS}")
-    elif (
-        not 1 <= seeds <= MAX_SEEDS
-        or seed_start < 0
-        or seed_start + seeds * prompts > validate.MAX_SEED
-    ):
-        raise RescoreError(
-            "--seeds must be at least 1 and every prompt's seed range must fit 32 bits"
-        )
-    if not 0 < alpha < 0.5:
-        raise RescoreError("--alpha must be between 0 and 0.5")
-    if not 1 <= concurrency <= MAX_CONCURRENCY:
-        raise RescoreError(f"--concurrency must be between 1 and {MAX_CONCURRENCY}")
-    if sampler.temperature <= 0:
-        raise RescoreError(
-            "temperature 0 is greedy decoding: there is no distribution to test (use T > 0)"
-        )
-    analysis.check_enough(seeds * tokens * prompts, alpha)
-
-
-def seed_jobs(seed_start: int, seeds: int, prompts: int) -> list[tuple[int, int]]:
-    """Every (seed, prompt) to sample, in sampling order: the i-th sample of prompt p has seed
-    seed_start + i * prompts + p, so every prompt draws its own seeds.
-
-    Why not seeds 1..N on every prompt: llama.cpp's sampler draws its uniforms from a
-    generator seeded by the seed alone, so one seed on two prompts gives both the same
-    uniforms, and their tokens' PIT values and favourite hits are dependent. The tests assume
-    independent draws; shared seeds made a plain Gemma server fail the directed test. Why
-    interleaved rather than one block per prompt: no seed depends on N, so a run with more
-    seeds extends one with fewer (the same first samples, in the same order), and an
-    anytime-valid e-process over it continues where the shorter run stopped."""
-    return [(seed_start + i * prompts + p, p) for i in range(seeds) for p in range(prompts)]
 
 
 @dataclass
@@ -754,17 +552,4 @@ def _counts(res: RescoreResult) -> None:
     res.accepted = sum(ac) if ac else None
 
 
-__all__ = [
-    "DEFAULT_PROMPTS",
-    "ENGINES",
-    "RescoreRequest",
-    "RescoreResult",
-    "check_draft",
-    "check_reference",
-    "check_run",
-    "seed_jobs",
-    "generated_ids",
-    "make_request",
-    "run",
-    "run_against",
-]
+__all__ = ["RescoreResult", "generated_ids", "run", "run_against"]
