@@ -3,8 +3,10 @@
 Clones a revision of this checkout into a temporary folder, runs `./run test` there (which sets
 up the clone's own venv, finds every llama.cpp build and engine environment in the shared
 cache or builds it, then runs pytest over tests/unit and tests/integration) with pytest's
-JUnit XML and `--durations`, and prints the wall time of the whole command, the time pytest
-spent per directory, and the slowest tests. Exit 1 when a budget is exceeded:
+JUnit XML and `--durations`, and prints the wall time of the whole command, the wall span of
+each test directory (its first test's start to its last test's end, from the summary
+tests/conftest.py prints; `./run test` runs tests side by side, so the tests' summed seconds,
+also printed, exceed it), and the slowest tests. Exit 1 when a budget is exceeded:
 
 - ``tests/unit`` at most ``--unit-budget`` seconds (default 120);
 - the whole `./run test` at most ``--total-budget`` seconds (default 900: a warm machine, every
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,7 +45,8 @@ class SuiteTimes:
     command: list[str]
     exit_code: int
     wall_s: float
-    per_dir_s: dict[str, float] = field(default_factory=dict)
+    per_dir_s: dict[str, float] = field(default_factory=dict)  # wall span per directory
+    summed_per_dir_s: dict[str, float] = field(default_factory=dict)  # the tests' own seconds
     tests_per_dir: dict[str, int] = field(default_factory=dict)
     slowest: list[tuple[str, float]] = field(default_factory=list)
     failures: int = 0
@@ -75,6 +80,31 @@ def read_junit(path: Path) -> Junit:
     return dict(per_dir), dict(count), tests, failures, skipped
 
 
+SPAN_LINE = re.compile(r"^(tests/\S+)\s+([\d.]+) s wall\s+([\d.]+) s tests\s*$")
+
+
+def read_spans(output: str) -> dict[str, float]:
+    """The wall span per directory from tests/conftest.py's end-of-run summary."""
+    spans = {}
+    for line in output.splitlines():
+        m = SPAN_LINE.match(line.strip())
+        if m:
+            spans[m.group(1)] = float(m.group(2))
+    return spans
+
+
+def _run_teed(cmd: list[str], cwd: Path) -> tuple[int, str]:
+    """Run `cmd`, its output shown as it comes and kept."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    kept = []
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace")
+        kept.append(line)
+        sys.stdout.write(line)
+    return proc.wait(), "".join(kept)
+
+
 def run(rev: str, unit_only: bool, keep: bool) -> SuiteTimes:
     work = Path(tempfile.mkdtemp(prefix="specaudit-suite-"))
     clone = work / "clone"
@@ -87,16 +117,21 @@ def run(rev: str, unit_only: bool, keep: bool) -> SuiteTimes:
         # the clone's venv is set up by ./run's provisioning (no builds needed for unit tests)
         setup = ["bash", "-c", "./run 2>/dev/null; true"]
         subprocess.run(setup, cwd=clone, check=False)
-        cmd = [str(clone / ".venv/bin/pytest"), "tests/unit", "-p", "no:cacheprovider", *extra]
+        workers = ["-n", str(min(os.cpu_count() or 2, 4)), "--dist", "loadgroup"]  # as ./run test
+        pytest = str(clone / ".venv/bin/pytest")
+        cmd = [pytest, "tests/unit", "-p", "no:cacheprovider", *workers, *extra]
     else:
         cmd = ["./run", "test", *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=clone, check=False)
+    code, output = _run_teed(cmd, clone)
     wall = time.perf_counter() - t0
-    out = SuiteTimes(rev=rev, command=cmd, exit_code=proc.returncode, wall_s=wall)
+    out = SuiteTimes(rev=rev, command=cmd, exit_code=code, wall_s=wall)
     if junit.exists():
-        out.per_dir_s, out.tests_per_dir, tests, out.failures, out.skipped = read_junit(junit)
+        out.summed_per_dir_s, out.tests_per_dir, tests, out.failures, out.skipped = read_junit(
+            junit
+        )
         out.slowest = tests[:25]
+    out.per_dir_s = read_spans(output)
     if keep:
         print(f"kept {work}", file=sys.stderr)
     else:
@@ -128,7 +163,9 @@ def main() -> int:
             f"rev {r.rev}: {' '.join(r.command[:2])} ... exit {r.exit_code}, wall {r.wall_s:.0f} s"
         )
         for d, s in sorted(r.per_dir_s.items()):
-            print(f"  {d:<20} {s:8.1f} s  {r.tests_per_dir[d]:5d} tests")
+            summed = r.summed_per_dir_s.get(d, 0.0)
+            n = r.tests_per_dir.get(d, 0)
+            print(f"  {d:<20} {s:8.1f} s wall ({summed:.1f} s of tests side by side) {n:5d} tests")
         print(f"  failures {r.failures}, skipped {r.skipped}")
         print("slowest:")
         for name, s in r.slowest:

@@ -24,6 +24,11 @@ from engine_package import install_engine_package
 
 # LiteLLM fetches its model price map from the internet when imported; the tests never need it
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# Every llama.cpp process the tests start computes on one thread unless it asks for more (`-t`;
+# specaudit's presets already ask for one): the suite runs tests side by side (pytest-xdist,
+# `./run test`) on a small machine, and llama.cpp's idle workers spin, so two servers with two
+# threads each on two cores ran llama.cpp's own server tests 4x slower than one thread each.
+os.environ.setdefault("LLAMA_ARG_THREADS", "1")
 
 
 class CliRun(NamedTuple):
@@ -74,6 +79,43 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     yield
     registry.reset()  # loaded again on the next read, without the package (sys.path restored)
     sys.modules.pop("toy_engine", None)
+
+
+# Tests run side by side (`./run test`: pytest-xdist, `--dist loadgroup`), one test file per
+# worker, so a file's module-scoped servers start once. Files that share an expensive
+# session fixture run in one worker too: the audit's dist section (1000 seeds on every path,
+# `dist_section` in tests/integration/conftest.py) would otherwise be sampled once per worker.
+SHARED_SESSION_GROUPS = {
+    "dist-section": (
+        "tests/integration/test_dist_llama.py",
+        "tests/integration/test_dist_openai.py",
+        "tests/integration/test_fixture_context_server.py",
+        "tests/integration/test_mutants.py",
+    ),
+}
+_GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for path in paths}
+
+
+# The longest files first when workers share them out (the longest-first rule): a long file
+# started last would run alone at the end while the other worker idles.
+FIRST = ("test_upstream_server_tests", "test_gemma_logprob_mutants", "dist-section")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # integration (minutes per file) before unit (seconds); a serial run keeps its order
+        def rank(item: pytest.Item) -> tuple[int, int]:
+            path = item.nodeid.split("::", 1)[0]
+            group = _GROUP_OF.get(path, path.rsplit("/", 1)[-1].removesuffix(".py"))
+            first = FIRST.index(group) if group in FIRST else len(FIRST)
+            return (first, 0 if path.startswith("tests/integration/") else 1)
+
+        items.sort(key=rank)
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = _GROUP_OF.get(path, path.rsplit("/", 1)[-1].removesuffix(".py"))
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # Seconds per test directory, printed at the end of a run: the suite's time budget (README,
