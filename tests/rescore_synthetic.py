@@ -174,7 +174,9 @@ def repeated(
     return [_record(i, key, 0, p[0], int(t), fav) for i, t in enumerate(toks)]
 
 
-def topk_rows(n: int, rng: np.random.Generator, *, vocab: int = 64, exponent: float = 1.3):
+def topk_rows(
+    n: int, rng: np.random.Generator, *, vocab: int = 64, exponent: float = 1.3
+) -> np.ndarray:
     """n model distributions over `vocab` tokens, sorted by falling probability (token id =
     rank): rank j gets j^-exponent, perturbed by a log-normal factor and sorted again (a
     trained model's tail, whose ranks beyond 40 still hold a little mass)."""
