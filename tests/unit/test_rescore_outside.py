@@ -127,3 +127,20 @@ def test_a_single_impossible_token_is_broken_in_the_family_and_stops_a_sequentia
     looks = runner._Looks(jobs, 0.01)
     looks.completed({jobs[0]: draws[:1]}, far)
     assert looks.decided_at == 1  # at once, before the first regular look
+
+
+def test_the_report_shows_the_count_against_the_reference_s_own_rate() -> None:
+    from specaudit.fixtures import SamplerSettings
+    from specaudit.rescore import render
+
+    support = {0: 0.6, 1: 0.4}
+    draws = [_draw(i, support, 7 if i == 3 else 0) for i in range(50)]
+    edge = EdgeLeak((0.0,) * 16, 1e-4)
+    res = runner.RescoreResult(
+        "e", "r", None, [[1]], 50, 1, SamplerSettings(), draws=draws, boundary=1, edge=edge
+    )
+    res.stats = analysis.analyse(draws, edge=edge)
+    row = dict(render.rows(res))["tokens outside the reference's top-k (count test)"]
+    assert row.startswith("1 outside (1 at the edge, 0 impossible); expected under")
+    assert "at 16 prefixes), p = 1" in row
+    assert render.to_json(res)["outside"]["count"] == 1
