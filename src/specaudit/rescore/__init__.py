@@ -9,8 +9,9 @@ checks a run's inputs; `runner` runs it; `sampling`
 draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: one Holm
 family (`pit`'s KS, `scores`' surprisal, rank bins, two-sided favourite and exact per-prefix
 tests, `outside`'s count of tokens beyond the reference's top-k against its own measured leak,
-`draft_lr`'s e-process when the draft is known) decides BROKEN, with `sequential` beside anytime-valid evidence; and
-`certify`'s time-uniform bounds decide between PRESERVED and INCONCLUSIVE.
+`draft_lr`'s e-process when the draft is known) decides BROKEN, with `sequential` beside
+anytime-valid evidence; and `certify`'s time-uniform bounds decide between PRESERVED and
+INCONCLUSIVE.
 """
 
 from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms
