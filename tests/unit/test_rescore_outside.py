@@ -144,3 +144,35 @@ def test_the_report_shows_the_count_against_the_reference_s_own_rate() -> None:
     assert row.startswith("1 outside (1 at the edge, 0 impossible); expected under")
     assert "at 16 prefixes), p = 1" in row
     assert render.to_json(res)["outside"]["count"] == 1
+
+
+def test_tokens_outside_the_top_k_are_sorted_into_edge_and_impossible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the edge: within the margin of the k-th raw logprob, or within `FAR_FACTOR` margins
+    (at least `FAR_MIN` nats); impossible: beyond that, or not in the raw top k + 20 at all,
+    unless its own prefix's batch shapes put it in the top-k (asked for at most
+    `EDGE_CONFIRM` tokens)."""
+    import asyncio
+
+    from specaudit.fixtures import SamplerSettings
+    from specaudit.rescore import spread
+
+    raw = {0: -0.7, 1: -1.2, 2: -1.6, 3: -1.62, 4: -2.5, 5: -1.9, 8: -2.6}
+    moved = NextToken(probs={0: 0.5, 1: 0.3, 8: 0.2})  # token 8 in the top-3 of one shape
+    monkeypatch.setattr(spread, "incremental_answers", lambda *a, **k: [moved])
+
+    class Ref:
+        url = "http://reference"
+        sampler = SamplerSettings()
+
+        async def raw(self, ids: object, n: int) -> dict[int, float]:
+            return raw
+
+    support = {0: 0.5, 1: 0.3, 2: 0.2}
+    draws = [_draw(i, support, t) for i, t in enumerate((0, 3, 5, 4, 6, 8))]
+    sorter = spread.OutsideSorter(Ref(), [[1, 2]], 3, 0.05, 1.0)  # type: ignore[arg-type]
+    asyncio.run(sorter.classify(draws))
+    assert sorter.near == 3  # 3: within the margin; 5: 0.3 nats past; 8: in another shape
+    assert sorter.far == {outside.key_of(draws[3]), outside.key_of(draws[4])}  # 0.9 past, absent
+    assert sorter.confirmed == 3
