@@ -172,3 +172,73 @@ def repeated(
     toks = sample(np.repeat(bug(p, q), n, axis=0), rng)
     fav = int(q[0].argmax())
     return [_record(i, key, 0, p[0], int(t), fav) for i, t in enumerate(toks)]
+
+
+def topk_rows(
+    n: int, rng: np.random.Generator, *, vocab: int = 64, exponent: float = 1.3
+) -> np.ndarray:
+    """n model distributions over `vocab` tokens, sorted by falling probability (token id =
+    rank): rank j gets j^-exponent, perturbed by a log-normal factor and sorted again (a
+    trained model's tail, whose ranks beyond 40 still hold a little mass)."""
+    w = np.arange(1, vocab + 1) ** -exponent * np.exp(0.3 * rng.standard_normal((n, vocab)))
+    return _norm(-np.sort(-w, axis=1))
+
+
+def top_of(rows: np.ndarray, k: int) -> np.ndarray:
+    """Rows cut to their top k (rows sorted by falling probability) and renormalised."""
+    cut = rows.copy()
+    cut[:, k:] = 0.0
+    return _norm(cut)
+
+
+def swapped_top(rows: np.ndarray, k: int = TOP_K) -> np.ndarray:
+    """The top k of a batch shape where the k-th and (k+1)-th tokens swapped places."""
+    cut = rows.copy()
+    cut[:, k + 1 :] = 0.0
+    cut[:, k - 1] = 0.0
+    return _norm(cut)
+
+
+def topk_run(
+    n: int,
+    rng: np.random.Generator,
+    *,
+    k_engine: int = TOP_K,
+    swap: float = 0.0,
+    vocab: int = 64,
+) -> tuple[list[TokenDraw], np.ndarray]:
+    """n tokens, each at its own prefix: the reference reports the top-40 of `topk_rows`; the
+    engine samples from its top `k_engine` (44: a top-k off by four), and, with probability
+    `swap` per prefix, from a batch shape whose 40th and 41st tokens swapped (a correct engine
+    on a quantised model). Returns the draws and the model rows (for `topk_leaks`)."""
+    rows = topk_rows(n, rng, vocab=vocab)
+    ref = top_of(rows, TOP_K)
+    eng = top_of(rows, k_engine)
+    moved = rng.random(n) < swap
+    eng[moved] = swapped_top(rows[moved])
+    toks = sample(eng, rng)
+    draws = [
+        TokenDraw(i, 0, 0, f"{i}", int(toks[i]), NextToken(probs=_support(ref[i])))
+        for i in range(n)
+    ]
+    return draws, rows
+
+
+def _support(row: np.ndarray) -> dict[int, float]:
+    return {int(t): float(p) for t, p in enumerate(row) if p > 0.0}
+
+
+def topk_leaks(
+    rows: np.ndarray, picked: list[int], rng: np.random.Generator, swap: float, shapes: int = 9
+) -> tuple[float, ...]:
+    """The reference's own leak (`outside.leak_units`) measured at the `picked` prefixes in
+    `shapes` batch shapes, each swapping its 40th and 41st tokens with probability `swap`."""
+    from specaudit.rescore.outside import leak_units
+
+    out = []
+    for i in picked:
+        whole = _support(top_of(rows[i : i + 1], TOP_K)[0])
+        hit = rng.random(shapes) < swap
+        shape = [_support(swapped_top(rows[i : i + 1])[0]) if h else whole for h in hit]
+        out.append(leak_units(whole, shape))
+    return tuple(out)

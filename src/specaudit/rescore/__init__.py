@@ -6,11 +6,12 @@ server they run in production. Here every token an engine samples is re-scored b
 its processed next-token distribution given the exact token-id prefix. `records` holds the
 per-token value every part shares (the sampler fills it, the statistics read it); `request`
 checks a run's inputs; `runner` runs it; `sampling`
-draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: a token
-the reference forbids is BROKEN on its own, otherwise one Holm family (`pit`'s KS, `scores`'
-surprisal, rank bins, two-sided favourite and exact per-prefix tests, `draft_lr`'s e-process
-when the draft is known) decides BROKEN, with `sequential` beside anytime-valid evidence; and
-`certify`'s time-uniform bounds decide between PRESERVED and INCONCLUSIVE.
+draws each seed's generation (`SeededGeneration`) from the engine; `analysis` decides: one Holm
+family (`pit`'s KS, `scores`' surprisal, rank bins, two-sided favourite and exact per-prefix
+tests, `outside`'s count of tokens beyond the reference's top-k against its own measured leak,
+`draft_lr`'s e-process when the draft is known) decides BROKEN, with `sequential` beside
+anytime-valid evidence; and `certify`'s time-uniform bounds decide between PRESERVED and
+INCONCLUSIVE.
 """
 
 from specaudit.rescore.analysis import RescoreStats, analyse, null_false_alarms

@@ -8,12 +8,13 @@ probability mass moved across the PIT order, how far the draft's favourite is fr
 reference, the TV at repeated prefixes) are within the tolerance; otherwise INCONCLUSIVE, with
 the number of tokens that would decide.
 
-BROKEN, fixed N: an impossible token (x outside the reference's support, beyond the measured
-noise: `runner` leaves the top-k edge out) is certain evidence; otherwise one family, Holm at
-alpha (`FIXED_TESTS` plus one exact test per repeated prefix, plus the draft-aimed e-process
-as the p-value 1/max E when the draft's distributions are known): the KS test of the PIT values
-(`pit`), the surprisal score, the rank-bin chi-square, the two-sided favourite test
-(`scores`), per-prefix exact multinomial tests, and `draft_lr`. Holm keeps the family-wise
+BROKEN, fixed N: one family, Holm at alpha (`FIXED_TESTS` plus one exact test per repeated
+prefix, plus the draft-aimed e-process as the p-value 1/max E when the draft's distributions
+are known): the KS test of the PIT values (`pit`), the surprisal score, the rank-bin
+chi-square, the two-sided favourite test (`scores`), the count of tokens outside the
+reference's top-k against its own rate across batch shapes (`outside`: edge and impossible
+tokens together; one impossible in every batch shape rejects on its own, at the family's
+level), per-prefix exact multinomial tests, and `draft_lr`. Holm keeps the family-wise
 error at alpha whatever the tests' dependence, so every p-value the report prints is
 accounted for: a raw p below alpha that Holm does not reject is printed with its adjusted
 value.
@@ -22,22 +23,24 @@ value.
 Dirichlet-multinomial Bayes factor on the PIT histogram and a two-sided betting martingale on
 the favourite, and, with the draft known, `draft_lr`'s e-process; each at an equal share) and
 the fixed family at alpha / 2, valid at the run's planned maximum: the verdict never ignores a
-test it prints.
+test it prints. A token impossible in every batch shape stops a sequential run at once: the
+count test rejects on it, and that rejection only grows with the run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import special, stats
 
 from specaudit.reference import NextToken
-from specaudit.rescore import certify, draft_lr, scores
+from specaudit.rescore import certify, draft_lr, outside, scores
 from specaudit.rescore.certify import DEFAULT_TOLERANCE, Certificate
 from specaudit.rescore.draft_lr import DraftEvidence
+from specaudit.rescore.outside import EdgeLeak, OutsideTest
 from specaudit.rescore.pit import Pits
 from specaudit.rescore.records import DEFAULT_ALPHA, RescoreError, TokenDraw
 from specaudit.rescore.scores import ScoreTest
@@ -51,7 +54,13 @@ HIST_BINS = 8  # u histogram of the e-process
 # the favourite martingale's mixture, both signs: too many hits and too few
 BET_FRACTIONS = (-0.8, -0.4, -0.2, -0.1, -0.05, 0.05, 0.1, 0.2, 0.4, 0.8)
 # the whole-run tests of the family (each repeated prefix adds one, the draft one more)
-FIXED_TESTS = ("KS of the PIT values", "surprisal", "rank bins", "favourite (two-sided)")
+FIXED_TESTS = (
+    "KS of the PIT values",
+    "surprisal",
+    "rank bins",
+    "favourite (two-sided)",
+    outside.NAME,
+)
 DRAFT_TEST = "draft-aimed e-process"
 
 
@@ -94,7 +103,7 @@ def check_enough(tokens: int, alpha: float = DEFAULT_ALPHA) -> None:
 
 def hist_log_e(u: np.ndarray, bins: int = HIST_BINS, a: float = 0.5) -> np.ndarray:
     """log of the Dirichlet(a)-multinomial Bayes factor of the u histogram against uniform,
-    after each draw (nan: an impossible token, no bet): a test martingale under the null,
+    after each draw (nan: a token outside the support, no bet): a test martingale under the null,
     so valid at every look."""
     counts = np.zeros(bins)
     out = np.empty(len(u))
@@ -140,7 +149,7 @@ class RescoreStats:
     reason: str
     certifies: str
     tokens: int
-    impossible: int
+    impossible: int  # outside the support and beyond the reference's noise in every shape
     ks_p: float
     surprisal_p: float
     rank_p: float
@@ -154,6 +163,7 @@ class RescoreStats:
     alpha: float
     tolerance: float
     needed: int | None  # tokens that would decide an INCONCLUSIVE (None: more would not)
+    outside: OutsideTest | None = None  # the count of tokens outside the top-k support
     certificate: Certificate | None = None
     draft: DraftEvidence | None = None
     tests: list[FamilyTest] = field(default_factory=list)
@@ -171,16 +181,22 @@ def analyse(
     tolerance: float = DEFAULT_TOLERANCE,
     ratio_bound: float = 1.0,
     extra: Sequence[ScoreTest] = (),
+    edge: EdgeLeak | None = None,
+    far: Collection[outside.Key] = (),
 ) -> RescoreStats:
     """Decide on re-scored draws (in sampling order). The PIT's randomisation comes from
     `seed` (fixed: the same draws give the same verdict). `ratio_bound`: the reference's
     measured noise as a bound on engine/reference probability ratios (`draft_lr`). `extra`:
-    more tests of the family, computed elsewhere (the same-seed coupling, `control`)."""
+    more tests of the family, computed elsewhere (the same-seed coupling, `control`).
+    `edge`: the reference's own leak across its top-k edge and `far` the draws impossible in
+    every batch shape (`runner`), for the outside count (`outside.outside_test`; without
+    `edge` its null rate is 0)."""
     pits = Pits.of(draws, seed)
+    counted = outside.outside_test(draws, edge, far)
     evidence = draft_lr.draft_e_process(draws, alpha, ratio_bound=ratio_bound)
     draft = evidence if evidence.used else None
     family_level = alpha / 2 if sequential else alpha
-    whole, prefixes = _fixed_tests(draws, pits, seed)
+    whole, prefixes = _fixed_tests(draws, pits, seed, counted)
     members = [*whole, *prefixes, *extra]
     if draft is not None and not sequential:
         members.append(ScoreTest(DRAFT_TEST, draft.e_value, min(1.0, 1 / draft.e_value), ""))
@@ -190,7 +206,7 @@ def analyse(
         pits.u_all, pits.hits, pits.favourite_p, certify.strata_of(draws),
         alpha=alpha, tolerance=tolerance,
     )  # fmt: skip
-    reasons = _impossible_reasons(pits.impossible) + anytime
+    reasons = list(anytime)
     reasons += [_rejection(t, family_level) for t in family if t.rejects]
     n = len(draws)
     if reasons:
@@ -203,31 +219,38 @@ def analyse(
     fav_p = np.array(pits.favourite_p)
     return RescoreStats(
         verdict=verdict, reason=reason, certifies=_certifies(cert), tokens=n,
-        impossible=pits.impossible, ks_p=by_name[FIXED_TESTS[0]].p_value,
+        impossible=counted.far, ks_p=by_name[FIXED_TESTS[0]].p_value,
         surprisal_p=by_name[FIXED_TESTS[1]].p_value, rank_p=by_name[FIXED_TESTS[2]].p_value,
         directed_p=by_name[FIXED_TESTS[3]].p_value,
         favourite_rate=float(np.mean(pits.hits)) if n else 0.0,
         favourite_expected=float(fav_p.mean()) if n else 0.0, g_prefixes=len(prefixes),
         g_p=min(prefix_adj, default=1.0), e_value=e_value, crossed_at=crossed_at, alpha=alpha,
-        tolerance=tolerance, needed=cert.needed, certificate=cert, draft=draft, tests=family,
-        per_position=_per_position(pits), prefix_tests=prefixes, u=pits.u,
+        tolerance=tolerance, needed=cert.needed, outside=counted, certificate=cert, draft=draft,
+        tests=family, per_position=_per_position(pits), prefix_tests=prefixes, u=pits.u,
     )  # fmt: skip
 
 
 def anytime_decides(
-    draws: Sequence[TokenDraw], *, alpha: float = DEFAULT_ALPHA, seed: int = 0
+    draws: Sequence[TokenDraw],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+    far: Collection[outside.Key] = (),
 ) -> bool:
-    """Whether the anytime-valid evidence of `analyse(..., sequential=True)` (at alpha / 2)
-    has already decided BROKEN on these draws, the first of a run in sampling order: a
-    sequential run stops sampling there (`runner`). Impossible tokens do not stop a run:
-    whether one is beyond the reference's noise is settled once sampling ends."""
+    """Whether `analyse(..., sequential=True)` has already decided BROKEN on these draws, the
+    first of a run in sampling order: a sequential run stops sampling there (`runner`). The
+    anytime-valid evidence at alpha / 2, or a draw in `far` (impossible in every batch shape):
+    the outside count test gives it p = delta, which Holm rejects at the family's level, and
+    that rejection stays with every later draw, so stopping on it adds nothing to the level."""
+    if any(outside.key_of(d) in far and outside.is_outside(d) for d in draws):
+        return True
     pits = Pits.of(draws, seed)
     evidence = draft_lr.draft_e_process(draws, alpha)
     return bool(_anytime(pits, evidence if evidence.used else None, alpha / 2, True)[2])
 
 
 def _fixed_tests(
-    draws: Sequence[TokenDraw], pits: Pits, seed: int
+    draws: Sequence[TokenDraw], pits: Pits, seed: int, counted: OutsideTest
 ) -> tuple[list[ScoreTest], list[ScoreTest]]:
     """The whole-run tests (`FIXED_TESTS`, in that order) and the per-prefix ones."""
     ks_p = float(stats.kstest(np.array(pits.u), "uniform").pvalue) if pits.u else 1.0
@@ -237,6 +260,7 @@ def _fixed_tests(
         scores.surprisal_test(draws, seed=seed),
         scores.rank_bin_test(draws, seed=seed),
         scores.favourite_test(draws),
+        counted.score_test(),
     ]
     named = [
         ScoreTest(name, t.statistic, t.p_value, t.detail)
@@ -321,12 +345,6 @@ def _per_position(pits: Pits) -> dict[int, float]:
         p: float(stats.kstest(np.array(x), "uniform").pvalue)
         for p, x in sorted(pits.by_position.items())
     }
-
-
-def _impossible_reasons(impossible: int) -> list[str]:
-    if not impossible:
-        return []
-    return [f"{impossible} sampled token(s) have probability 0 under the reference"]
 
 
 def null_false_alarms(

@@ -32,6 +32,7 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
         "rescored": res.rescored,
         "unreported": res.unreported,
         "boundary": res.boundary,
+        "outside": _outside_json(res),
         "noise_tv": res.noise_tv,
         "noise_logprob": res.noise_logprob,
         "verdict": res.stats.verdict.value if res.stats else None,
@@ -86,7 +87,7 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ("samples", f"{len(res.samples)} ({res.seeds} seeds x {len(res.prompts)} prompts)"),
         ("tokens re-scored", f"{res.rescored} of {res.sampled_tokens}"),
         ("tokens without a reported distribution", res.unreported),
-        ("tokens at the top-k edge within the reference's noise (not tested)", res.boundary),
+        ("tokens outside the reference's top-k (count test)", _outside_cell(res)),
         (
             "reference's own spread (TV, raw logprob)",
             f"{res.noise_tv:.3g}, {res.noise_logprob:.3g}" if res.noise_tv is not None else None,
@@ -97,7 +98,7 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         if s
         else ("favourite", None),
         ("repeated prefixes tested", s.g_prefixes if s else None),
-        ("impossible tokens", s.impossible if s else None),
+        ("impossible tokens (probability 0 in every batch shape)", s.impossible if s else None),
         ("PIT e-value (anytime-valid)", s.e_value if s else None),
         ("draft-aimed e-value", _draft_cell(s.draft) if s else None),
         ("tokens that would decide", s.needed if s and s.verdict.value == "INCONCLUSIVE" else None),
@@ -120,9 +121,34 @@ def _control_cell(res: RescoreResult) -> str | None:
     if c.stats is None:
         return f"no decision: {c.error}"
     return (
-        f"{c.stats.verdict.value} ({c.rescored} tokens, {c.boundary} at the top-k edge, "
-        f"{c.stats.impossible} impossible, KS p = {c.stats.ks_p:.3g})"
+        f"{c.stats.verdict.value} ({c.rescored} tokens, {_outside_cell(c)}, "
+        f"KS p = {c.stats.ks_p:.3g})"
     )
+
+
+def _outside_cell(res: RescoreResult) -> str | None:
+    """Observed against the reference's own rate, and the count test's p-value."""
+    o = res.stats.outside if res.stats else None
+    if o is None:
+        return None
+    if res.edge is None:
+        return f"{o.outside} outside, none expected (no leak measured), p = {o.p_value:.3g}"
+    return (
+        f"{o.outside} outside ({res.boundary} at the edge, {o.far} impossible); expected under "
+        f"the reference's noise at most {o.expected:.3g} (measured {o.estimate:.3g} at "
+        f"{len(res.edge.leaks)} prefixes), p = {o.p_value:.3g}"
+    )
+
+
+def _outside_json(res: RescoreResult) -> dict[str, Any] | None:
+    o = res.stats.outside if res.stats else None
+    if o is None:
+        return None
+    return {
+        "count": o.outside, "at_edge": res.boundary, "impossible": o.far,
+        "expected_bound": o.expected, "expected_measured": o.estimate, "p_value": o.p_value,
+        "delta": o.delta, "leak_units": list(res.edge.leaks) if res.edge else None,
+    }  # fmt: skip
 
 
 def _draft_cell(d: DraftEvidence | None) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from specaudit.client import AsyncClient, ClientError
@@ -28,21 +28,26 @@ from specaudit.reference import (
     aread_next_token,
     completion_body,
     identity_from_models,
-    incremental_answers,
     start_reference,
     support_size,
 )
-from specaudit.rescore import analysis
+from specaudit.rescore import analysis, outside
 from specaudit.rescore.analysis import RescoreStats
 from specaudit.rescore.control import CONTROL_REPEATS, Coupling, couple
+from specaudit.rescore.outside import EdgeLeak, Key
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.request import RescoreRequest, seed_jobs
 from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
 from specaudit.rescore.scores import ScoreTest
-from specaudit.rescore.spread import PROBE_TOLERANCE, at_the_edge, noise_spread, probe_difference
+from specaudit.rescore.spread import (
+    PROBE_TOLERANCE,
+    OutsideSorter,
+    measure_edge_leak,
+    noise_spread,
+    probe_difference,
+)
 
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
-EDGE_CONFIRM = 8  # tokens just past the margin whose own prefix's spread is measured
 LOOK_EVERY = 16  # a sequential run reads its anytime evidence after every this many samples
 
 ProgressFn = Callable[[int, int], None]
@@ -73,7 +78,9 @@ class RescoreResult:
     total_seconds: float = 0.0
     reference_requests: int = 0
     unreported: int = 0  # --self: tokens the engine reported no covering distribution for
-    boundary: int = 0  # tokens at the reference's top-k edge within its own noise (not tested)
+    boundary: int = 0  # tokens outside the top-k at its edge (counted in `outside`, no PIT)
+    far: set[Key] = field(default_factory=set)  # draws outside the top-k in every batch shape
+    edge: EdgeLeak | None = None  # the reference's own leak across its top-k edge
     stopped_at: int | None = None  # --sequential: samples read when the evidence decided
     # the reference sampled at the same seeds, decided beside the engine (`rescore.control`)
     control: RescoreResult | None = field(default=None, repr=False)
@@ -209,10 +216,16 @@ async def run_against(
             noise_tv=tv_floor, noise_logprob=lp_floor,
         )  # fmt: skip
         margin = max(2 * lp_floor, BOUNDARY_MIN)
+        edges = OutsideSorter(ref, prompts, n_probs, margin, req.timeout)
         try:
-            await _sample_and_rescore(req, sampler, (ref, draft), prompts, res, progress)
+            await _sample_and_rescore(
+                req, sampler, (ref, draft), prompts, res, progress, classify=edges
+            )
             if res.error is None:
-                await _split_boundary(res, ref, n_probs, margin, req.timeout)
+                res.far, res.boundary = edges.far, edges.near
+                res.edge = await measure_edge_leak(
+                    ref, res.prompts, res.draws, n_probs, req.alpha, req.timeout
+                )
             if res.error is None and (req.control or req.coupling):
                 await _control_arm(req, (ref, draft), res, n_probs, margin)
         finally:
@@ -224,18 +237,18 @@ async def run_against(
         if req.coupling and res.coupling is not None:
             c = res.coupling
             extra.append(ScoreTest("same-seed coupling", c.rate, c.p_value, c.summary()))
-        res.stats = _decide(req, res.draws, lp_floor, extra)
+        res.stats = _decide(req, res, lp_floor, extra)
         if res.control is not None:
-            res.control.stats = _decide(req, res.control.draws, lp_floor, [])
+            res.control.stats = _decide(req, res.control, lp_floor, [])
     return res
 
 
 def _decide(
-    req: RescoreRequest, draws: Sequence[TokenDraw], lp_floor: float, extra: Sequence[ScoreTest]
+    req: RescoreRequest, res: RescoreResult, lp_floor: float, extra: Sequence[ScoreTest]
 ) -> RescoreStats:
     return analysis.analyse(
-        draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance,
-        ratio_bound=math.exp(2 * lp_floor), extra=extra,
+        res.draws, alpha=req.alpha, sequential=req.sequential, tolerance=req.tolerance,
+        ratio_bound=math.exp(2 * lp_floor), extra=extra, edge=res.edge, far=res.far,
     )  # fmt: skip
 
 
@@ -247,7 +260,8 @@ async def _control_arm(
     margin: float,
 ) -> None:
     """The reference sampled at the engine's seeds (`rescore.control`): its own samples
-    re-scored and left at the top-k edge as the engine's are (`res.control`, decided beside
+    re-scored and its tokens outside the top-k classified as the engine's are, against the
+    same measured leak (`res.control`, decided beside
     the engine's), and the same-seed coupling against the engine's samples, with the
     reference asked again for `CONTROL_REPEATS` of them."""
     ref = sources[0]
@@ -269,10 +283,13 @@ async def _control_arm(
     ctl = dataclasses.replace(
         res, engine=smp.label, samples=own, draws=[], rescored=0, boundary=0, control=None
     )
+    edges = OutsideSorter(ref, res.prompts, n_probs, margin, req.timeout)
     for g in own:
-        ctl.draws += await _rescored(sources, g.seed, g.prompt, res.prompts[g.prompt], g.ids)
+        got = await _rescored(sources, g.seed, g.prompt, res.prompts[g.prompt], g.ids)
+        await edges.classify(got)
+        ctl.draws += got
     ctl.rescored = len(ctl.draws)
-    await _split_boundary(ctl, ref, n_probs, margin, req.timeout)
+    ctl.far, ctl.boundary = edges.far, edges.near
     _counts(ctl)
     res.control = ctl
     res.coupling = couple(res.samples, own, again)
@@ -301,45 +318,9 @@ async def _open_draft(
     return draft
 
 
-async def _split_boundary(
-    res: RescoreResult, ref: Reference, n_probs: int, margin: float, timeout: float
-) -> None:
-    """Tokens outside the reference's top-k whose raw logprob is within `margin` of the k-th
-    token's: on a quantised model batch-shape noise can swap the k-th and (k+1)-th tokens,
-    so these are counted (`boundary`) and left out of the PIT. The `EDGE_CONFIRM` tokens
-    just past the margin are asked again at their own prefix in the batch shapes a
-    verification uses (`incremental_answers`): the margin comes from the first prompt only,
-    and the spread differs from prefix to prefix (a 4000-token Gemma run had one token just
-    past it). A token inside the top-k in one of those shapes, or within twice their spread,
-    is at the edge too; every other stays impossible (BROKEN)."""
-    edge: set[int] = set()  # id() of the draws left out of the PIT
-    past: list[tuple[float, TokenDraw, list[int], NextToken]] = []
-    for d in res.draws:
-        if d.token in d.ref.probs:
-            continue
-        prefix = [*res.prompts[d.prompt], *generated_ids(res, d)]
-        whole = NextToken(probs=d.ref.probs, logprobs=await ref.raw(prefix, n_probs + 20))
-        support = [whole.logprobs[t] for t in d.ref.probs if t in whole.logprobs]
-        if at_the_edge(d.token, [whole], margin):
-            edge.add(id(d))
-        elif d.token in whole.logprobs and support:
-            past.append((min(support) - whole.logprobs[d.token], d, prefix, whole))
-    past.sort(key=lambda x: x[0])
-    for _, d, prefix, whole in past[:EDGE_CONFIRM]:
-        answers = await asyncio.to_thread(
-            incremental_answers, ref.url, prefix, ref.sampler, n_probs,
-            raw_probs=n_probs + 20, timeout=timeout,
-        )  # fmt: skip
-        if at_the_edge(d.token, [whole, *answers], margin):
-            edge.add(id(d))
-    res.boundary += len(edge)
-    res.draws = [d for d in res.draws if id(d) not in edge]
-
-
 def generated_ids(res: RescoreResult, d: TokenDraw) -> list[int]:
     """The tokens generated before draw `d` (its prefix without the prompt)."""
-    key = d.prefix_key.split(":", 1)[1]
-    return [int(t) for t in key.split(",")] if key else []
+    return outside.generated_ids(d)
 
 
 async def _ask(ref: NextTokenSource, prefix: Sequence[int]) -> NextToken:
@@ -375,7 +356,13 @@ async def _sample_and_rescore(
     prompts: list[list[int]],
     res: RescoreResult,
     progress: ProgressFn | None,
+    *,
+    classify: OutsideSorter | None = None,
 ) -> None:
+    """Sample every job and re-score it; `classify` sorts each generation's tokens outside
+    the reference's top-k as soon as it is re-scored, so a sequential run stops at an
+    impossible token at once."""
+    far: set[Key] = classify.far if classify is not None else set()
     jobs = seed_jobs(req.seed_start, req.seeds, len(prompts))
     sem = asyncio.Semaphore(req.concurrency)
     samples: dict[tuple[int, int], SeededGeneration] = {}
@@ -398,14 +385,16 @@ async def _sample_and_rescore(
         if ref_failed:
             return
         try:
-            draws[(seed, p)] = await _rescored(sources, seed, p, prompts[p], s.ids)
+            got = await _rescored(sources, seed, p, prompts[p], s.ids)
+            await OutsideSorter.sort(classify, got)
+            draws[(seed, p)] = got
         except (ClientError, ReferenceUnusable, RescoreError) as e:
             if not ref_failed:
                 ref_failed.append(str(e))
             return
         done[0] += 1
         if looks:
-            looks.completed(draws)
+            looks.completed(draws, far)
         if progress:
             progress(done[0], len(jobs))
 
@@ -428,7 +417,8 @@ async def _sample_and_rescore(
 class _Looks:
     """A sequential run's looks: after every `LOOK_EVERY` samples completed in sampling order
     (the first k jobs, whatever finished beyond them), the anytime-valid evidence is read on
-    them; once it decides (`analysis.anytime_decides`), no new sample starts. Stopping on
+    them, and at once when a token impossible in every batch shape arrives; once it decides
+    (`analysis.anytime_decides`), no new sample starts. Stopping on
     evidence valid at every look keeps the level; the jobs' order never depends on N
     (`seed_jobs`), so a longer run is the same run continued."""
 
@@ -439,14 +429,20 @@ class _Looks:
         self.looked = 0
         self.decided_at: int | None = None  # samples read when the evidence decided
 
-    def completed(self, draws: dict[tuple[int, int], list[TokenDraw]]) -> None:
+    def completed(
+        self, draws: dict[tuple[int, int], list[TokenDraw]], far: Collection[Key] = ()
+    ) -> None:
         while self.ready < len(self.jobs) and self.jobs[self.ready] in draws:
             self.ready += 1
+        if self.decided_at is None and far:
+            # an impossible token: the outside count test rejects on it (`anytime_decides`)
+            self.decided_at = len(draws)
+            return
         if self.decided_at is not None or self.ready - self.looked < LOOK_EVERY:
             return
         self.looked = self.ready
         ordered = [d for job in self.jobs[: self.ready] for d in draws[job]]
-        if analysis.anytime_decides(ordered, alpha=self.alpha):
+        if analysis.anytime_decides(ordered, alpha=self.alpha, far=far):
             self.decided_at = self.ready
 
 

@@ -1,6 +1,7 @@
 """How much the reference disagrees with itself, as the re-scored run uses it: the floor under
-its same-model probe (`noise_spread`, `probe_difference`) and its top-k boundary rule
-(`at_the_edge`).
+its same-model probe (`noise_spread`, `probe_difference`), its top-k edge rule (`at_the_edge`)
+and its own rate of mass leaked across the top-k edge (`edge_leak`, the outside count test's
+null rate).
 
 Why in `rescore` and not with the reference client (`specaudit.reference`): these are the
 re-scored run's rules about what a disagreement means; the client only asks and parses. The
@@ -9,12 +10,27 @@ fidelity check measures its own floor (`specaudit.check.fidelity`).
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Mapping, Sequence
 
 from specaudit.client import Client
 from specaudit.fixtures import SamplerSettings
-from specaudit.reference import NextToken, ask_next_token, completion_body, incremental_answers
+from specaudit.reference import (
+    NextToken,
+    Reference,
+    ask_next_token,
+    completion_body,
+    incremental_answers,
+    read_next_token,
+)
+from specaudit.rescore import outside
+from specaudit.rescore.outside import EdgeLeak, Key, leak_units
+from specaudit.rescore.records import TokenDraw
 
+EDGE_CONFIRM = 8  # tokens past the far margin whose own prefix's batch shapes are asked
+FAR_FACTOR = 4.0  # "beyond any margin": this many times the run's margin below the k-th
+FAR_MIN = 0.5  # ... and at least this many nats
 # Probe prompt distributions of engine and reference may differ by this much (float noise of
 # batch sizes and threads; the fidelity check measures the floor properly).
 PROBE_TOLERANCE = 0.02
@@ -56,6 +72,118 @@ def noise_spread(
     return tv, lp
 
 
+def edge_leak(
+    url: str,
+    prefixes: Sequence[Sequence[int]],
+    wholes: Sequence[Mapping[int, float]],
+    sampler: SamplerSettings,
+    n_probs: int,
+    delta: float,
+    timeout: float = 120.0,
+) -> EdgeLeak:
+    """The reference's own leak across its top-k edge (`outside.leak_units`) at each of
+    `prefixes`, against `wholes` (its whole-prefix answers, which the run already has): asked
+    as four identical requests at once (batched across its slots) and with the last 1, 2, 4,
+    8, 16 tokens as one batch on a cached prefix (`incremental_answers`), the shapes a
+    verification uses. Cost: 4 + 4 x 5 = 24 one-token requests per prefix (fewer for prefixes
+    shorter than 17 tokens), 384 for the default 16 prefixes, whatever the run's length."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def batched(p: Sequence[int]) -> dict[int, float]:
+        with Client(url, timeout=timeout) as c:
+            body = completion_body(p, sampler, n_probs, cache_prompt=False)
+            return read_next_token(c, body, post=True)
+
+    leaks = []
+    for p, whole in zip(prefixes, wholes, strict=True):
+        with ThreadPoolExecutor(4) as ex:
+            shapes = list(ex.map(batched, [p] * 4))
+        inc = incremental_answers(url, p, sampler, n_probs, timeout=timeout)
+        leaks.append(leak_units(whole, [*shapes, *(a.probs for a in inc)]))
+    return EdgeLeak(tuple(leaks), delta)
+
+
+async def measure_edge_leak(
+    ref: Reference,
+    prompts: Sequence[Sequence[int]],
+    draws: Sequence[TokenDraw],
+    n_probs: int,
+    alpha: float,
+    timeout: float = 120.0,
+) -> EdgeLeak | None:
+    """`edge_leak` at `outside.EDGE_PREFIXES` of the run's prefixes drawn with replacement
+    (`outside.sample_draws`), reusing the run's whole-prefix answers; its bound at alpha x
+    `outside.BOUND_SHARE`. None with no draws."""
+    picked = [draws[i] for i in outside.sample_draws(len(draws))]
+    if not picked:
+        return None
+    prefixes = [[*prompts[d.prompt], *outside.generated_ids(d)] for d in picked]
+    return await asyncio.to_thread(
+        edge_leak, ref.url, prefixes, [d.ref.probs for d in picked], ref.sampler, n_probs,
+        alpha * outside.BOUND_SHARE, timeout,
+    )  # fmt: skip
+
+
+class OutsideSorter:
+    """Sorts the sampled tokens outside the reference's whole-prefix top-k, as they are
+    re-scored: at the edge (`near`: counted by the outside test against the reference's own
+    rate) or impossible in every batch shape (`far`: the outside test rejects on one).
+
+    Far: the token's raw logprob at its prefix is more than `FAR_FACTOR` times the run's
+    margin (at least `FAR_MIN` nats) below the k-th token's, or not among the top k + 20 at
+    all; and, for the first `EDGE_CONFIRM` such tokens, it is outside the top-k and beyond
+    twice the spread in every batch shape a verification uses, asked at its own prefix
+    (`incremental_answers`; the margin comes from the first prompt, and the spread differs
+    from prefix to prefix). Cost: one request per token outside the support, 20 more for each
+    of at most `EDGE_CONFIRM` of them."""
+
+    def __init__(
+        self,
+        ref: Reference,
+        prompts: Sequence[Sequence[int]],
+        n_probs: int,
+        margin: float,
+        timeout: float,
+    ) -> None:
+        self.ref, self.prompts, self.n_probs = ref, prompts, n_probs
+        self.margin, self.timeout = margin, timeout
+        self.far: set[Key] = set()
+        self.near = 0
+        self.confirmed = 0
+
+    @staticmethod
+    async def sort(sorter: OutsideSorter | None, draws: Sequence[TokenDraw]) -> None:
+        """`sorter.classify(draws)`, nothing without a sorter."""
+        if sorter is not None:
+            await sorter.classify(draws)
+
+    async def classify(self, draws: Sequence[TokenDraw]) -> None:
+        for d in draws:
+            if outside.is_outside(d):
+                if await self._far(d):
+                    self.far.add(outside.key_of(d))
+                else:
+                    self.near += 1
+
+    async def _far(self, d: TokenDraw) -> bool:
+        prefix = [*self.prompts[d.prompt], *outside.generated_ids(d)]
+        whole = NextToken(probs=d.ref.probs, logprobs=await self.ref.raw(prefix, self.n_probs + 20))
+        support = [whole.logprobs[t] for t in d.ref.probs if t in whole.logprobs]
+        if at_the_edge(d.token, [whole], self.margin):
+            return False
+        gap = min(support) - whole.logprobs[d.token] if d.token in whole.logprobs else math.inf
+        if support and gap <= max(FAR_FACTOR * self.margin, FAR_MIN):
+            return False
+        if self.confirmed >= EDGE_CONFIRM:
+            return True
+        self.confirmed += 1
+        answers = await asyncio.to_thread(
+            incremental_answers, self.ref.url, prefix, self.ref.sampler, self.n_probs,
+            raw_probs=self.n_probs + 20, timeout=self.timeout,
+        )  # fmt: skip
+        return not at_the_edge(d.token, [whole, *answers], self.margin)
+
+
 def logprob_spread(answers: Sequence[NextToken]) -> float:
     """The largest spread of one token's raw logprob across `answers` (tokens every answer
     reports); 0 for fewer than two answers."""
@@ -89,8 +217,14 @@ def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
 
 
 __all__ = [
+    "EDGE_CONFIRM",
+    "FAR_FACTOR",
+    "FAR_MIN",
     "PROBE_TOLERANCE",
+    "OutsideSorter",
     "at_the_edge",
+    "edge_leak",
+    "measure_edge_leak",
     "logprob_spread",
     "noise_spread",
     "probe_difference",
