@@ -43,6 +43,8 @@ CLOSED = "{closed}"
 
 def _closed() -> str:
     return f"http://127.0.0.1:{free_port()}"
+
+
 HUGE_INT = "9" * 40
 NOT_UTF8 = os.fsdecode(b"\xff\xfe")
 
