@@ -117,7 +117,7 @@ def run(rev: str, unit_only: bool, keep: bool) -> SuiteTimes:
         # the clone's venv is set up by ./run's provisioning (no builds needed for unit tests)
         setup = ["bash", "-c", "./run 2>/dev/null; true"]
         subprocess.run(setup, cwd=clone, check=False)
-        workers = ["-n", str(min(os.cpu_count() or 2, 4)), "--dist", "loadgroup"]  # as ./run test
+        workers = ["-n", str(min(os.cpu_count() or 2, 4)), "--dist", "loadfile"]  # as ./run test
         pytest = str(clone / ".venv/bin/pytest")
         cmd = [pytest, "tests/unit", "-p", "no:cacheprovider", *workers, *extra]
     else:

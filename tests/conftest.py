@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from click.testing import CliRunner
@@ -81,10 +81,11 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     sys.modules.pop("toy_engine", None)
 
 
-# Tests run side by side (`./run test`: pytest-xdist, `--dist loadgroup`), one test file per
-# worker, so a file's module-scoped servers start once. Files that share an expensive
-# session fixture run in one worker too: the audit's dist section (1000 seeds on every path,
-# `dist_section` in tests/integration/conftest.py) would otherwise be sampled once per worker.
+# Tests run side by side (`./run test`: pytest-xdist), one test file per worker, so a file's
+# module-scoped servers start once. Files that share an expensive session fixture go to one
+# worker too: the audit's dist section (1000 seeds on every path, `dist_section` in
+# tests/integration/conftest.py) would otherwise be sampled once per worker. (xdist's own
+# `--dist loadgroup` does not group under pytest 9: its suffix on the node id is ignored.)
 SHARED_SESSION_GROUPS = {
     "dist-section": (
         "tests/integration/test_dist_llama.py",
@@ -94,28 +95,42 @@ SHARED_SESSION_GROUPS = {
     ),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for path in paths}
-
-
 # The longest files first when workers share them out (the longest-first rule): a long file
 # started last would run alone at the end while the other worker idles.
-FIRST = ("test_upstream_server_tests", "test_gemma_logprob_mutants", "dist-section")
+FIRST = (
+    "tests/integration/test_upstream_server_tests.py",
+    "tests/integration/test_gemma_logprob_mutants.py",
+    "dist-section",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return _GROUP_OF.get(path, path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work units of whole files (and of `SHARED_SESSION_GROUPS`), in collection order."""
+    # pytest-xdist ships no type information (no py.typed)
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # integration (minutes per file) before unit (seconds); a serial run keeps its order
+        # in a worker (every worker collects alike): integration (minutes per file) before
+        # unit (seconds), the longest first; a serial run keeps its order
         def rank(item: pytest.Item) -> tuple[int, int]:
-            path = item.nodeid.split("::", 1)[0]
-            group = _GROUP_OF.get(path, path.rsplit("/", 1)[-1].removesuffix(".py"))
+            group = _group(item.nodeid)
             first = FIRST.index(group) if group in FIRST else len(FIRST)
-            return (first, 0 if path.startswith("tests/integration/") else 1)
+            return (first, 0 if group.startswith("tests/integration/") else 1)
 
         items.sort(key=rank)
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = _GROUP_OF.get(path, path.rsplit("/", 1)[-1].removesuffix(".py"))
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # Seconds per test directory, printed at the end of a run: the suite's time budget (README,
