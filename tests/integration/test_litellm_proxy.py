@@ -129,9 +129,11 @@ def test_litellm_proxy_process(
             # no request has reached the proxy, none ever goes to fx-probe: its /slots is read
             # at start, then every second
             _wait_for(lambda: len(reads) >= 1)
-            _wait_for(lambda: len(reads) >= 3)
+            _wait_for(lambda: len(reads) >= 4)
             gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
-            assert all(0.5 < g < 5 for g in gaps), gaps
+            # the periodic reads keep their interval; the first follows the start's read by
+            # less when the start was slow (0.28 s, with another test file beside it)
+            assert gaps[0] < 5 and all(0.5 < g < 5 for g in gaps[1:]), gaps
             for _ in range(6):
                 r = c.post("/v1/chat/completions", json=_body())
                 assert r.status_code == 200, r.text
