@@ -155,7 +155,10 @@ class _RescoreCommand(click.Command):
     "[default: the fixture's].",
 )
 @seeds_option(
-    default=200, min_value=1, help="Seeds per prompt (N): prompt p draws seeds p*N+1..(p+1)*N."
+    default=200,
+    min_value=1,
+    help="Seeds per prompt (N). Sample i of prompt p (of P) has seed 1 + i*P + p: no seed "
+    "depends on N, so a longer run extends a shorter one.",
 )
 @tokens_option(default=8, min_value=1, help="Tokens per sample.")
 @temperature_option()

@@ -118,8 +118,16 @@ class ManagedServer:
         # health: nothing is left to read in it, and every run would leave files in /tmp. One
         # whose server died on its own stays (an error names it), as does a log the caller named
         self._own_log = log_path is None
-        self.log_path = log_path or _temp_log(name)
+        self._log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log; a temp file of our own is made on first use, so a server that is
+        built but never started (a preset, an argv check) leaves no empty file behind."""
+        if self._log_path is None:
+            self._log_path = _temp_log(self.name)
+        return self._log_path
 
     @property
     def url(self) -> str:
@@ -192,8 +200,8 @@ class ManagedServer:
         healthy = self.alive() and not keep_log
         stop_process_group(self.proc, grace)
         _LIVE.discard(self)
-        if healthy and self._own_log:
-            self.log_path.unlink(missing_ok=True)
+        if healthy and self._own_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
