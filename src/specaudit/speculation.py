@@ -28,6 +28,7 @@ class SlotsReading:
     total: int | None = None
     speculative: int | None = None
     note: str | None = None
+    busy: int | None = None  # slots processing a request right now (``is_processing``)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,14 @@ def parse_slots(body: Any) -> SlotsReading:
     dicts = [s for s in slots if isinstance(s, dict)]
     if not any("speculative" in s for s in dicts):
         return SlotsReading(note="/slots has no per-slot speculative field")
-    return SlotsReading(len(slots), sum(1 for s in dicts if s.get("speculative") is True))
+    busy = (
+        sum(1 for s in dicts if s.get("is_processing") is True)
+        if any("is_processing" in s for s in dicts)
+        else None
+    )
+    return SlotsReading(
+        len(slots), sum(1 for s in dicts if s.get("speculative") is True), busy=busy
+    )
 
 
 def format_types(t: Any) -> str | None:
@@ -187,6 +195,19 @@ def read(client: Client) -> SpeculationInfo:
     return parse(slots, props, note)
 
 
+async def aread_slots(client: AsyncClient) -> SlotsReading:
+    """`/slots` alone (no `/props`): the cheap read a watch repeats while requests run. An
+    unreachable server raises `ClientError`; an HTTP error is a reading with a `note`."""
+    from specaudit.client import ClientError
+
+    try:
+        return parse_slots(await client.get("/slots"))
+    except ClientError as e:
+        if e.status is None:
+            raise
+        return SlotsReading(note=_slots_note(e.status, str(e)))
+
+
 async def aread(client: AsyncClient) -> SpeculationInfo:
     """`read` for the async client."""
     from specaudit.client import ClientError
@@ -212,6 +233,7 @@ __all__ = [
     "SlotsReading",
     "SpeculationInfo",
     "aread",
+    "aread_slots",
     "claims_none",
     "format_types",
     "parse",

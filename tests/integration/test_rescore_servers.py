@@ -84,6 +84,9 @@ def test_rejection_sampling_on_the_fixture_is_preserved(
     # e-process too, and the certificate's bounds include the repeated prefixes' TV
     assert res.stats.draft is not None and res.stats.draft.used == 1200
     assert res.stats.certificate is not None and len(res.stats.certificate.bounds) == 3
+    b = res.batching  # the engine's /slots, read while it sampled
+    assert b is not None and b.slots == 4 and b.speculative_before == b.speculative_after == 4
+    print("fixture batching:", b.summary())
 
 
 def test_a_rejection_sampler_mutant_is_broken_by_rescoring(
@@ -183,6 +186,10 @@ def test_gemma_speculating_with_itself_is_not_broken(
     assert res.error is None and res.stats is not None
     assert res.rescored == res.sampled_tokens == 360
     assert res.drafted and res.drafted > 0
+    # two requests in flight on two slots: /slots saw both busy at once, both speculating
+    b = res.batching
+    assert b is not None and b.batched and b.max_busy == 2, b
+    assert b.speculative_before == b.speculative_after == 2
     _inconclusive_not_broken(res)
 
 

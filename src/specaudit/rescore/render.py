@@ -46,6 +46,11 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
         "stats": to_jsonable(res.stats),
         "stopped_at": res.stopped_at,
         "coupling": to_jsonable(res.coupling),
+        "batching": (
+            {**to_jsonable(res.batching), "batched": res.batching.batched}
+            if res.batching is not None
+            else None
+        ),
         "control": to_json(res.control) if res.control is not None else None,
         "notes": res.notes,
         "samples": [to_jsonable(s) for s in res.samples],
@@ -93,6 +98,7 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
             f"{res.noise_tv:.3g}, {res.noise_logprob:.3g}" if res.noise_tv is not None else None,
         ),
         ("drafted / accepted", f"{res.drafted} / {res.accepted}"),
+        ("requests batched (/slots)", res.batching.summary() if res.batching else None),
         ("reference requests", res.reference_requests),
         ("favourite sampled / expected", f"{s.favourite_rate:.3f} / {s.favourite_expected:.3f}")
         if s

@@ -33,6 +33,7 @@ from specaudit.reference import (
 )
 from specaudit.rescore import analysis, outside
 from specaudit.rescore.analysis import RescoreStats
+from specaudit.rescore.batching import Batching, SlotsWatch
 from specaudit.rescore.control import CONTROL_REPEATS, Coupling, couple
 from specaudit.rescore.outside import EdgeLeak, Key
 from specaudit.rescore.records import RescoreError, TokenDraw
@@ -88,6 +89,8 @@ class RescoreResult:
     noise_tv: float | None = None  # the reference's own spread across batch shapes
     noise_logprob: float | None = None
     path: str | None = None  # the verification path a registry engine's unit runs
+    # the engine's /slots while it sampled: were requests batched, did it speculate
+    batching: Batching | None = None
     notes: list[str] = field(default_factory=list)  # e.g. the impossible tokens, named
     draws: list[TokenDraw] = field(default_factory=list, repr=False)
 
@@ -217,10 +220,17 @@ async def run_against(
         )  # fmt: skip
         margin = max(2 * lp_floor, BOUNDARY_MIN)
         edges = OutsideSorter(ref, prompts, n_probs, margin, req.timeout)
+        watch = (
+            SlotsWatch(req.url, req.concurrency, timeout=req.timeout)
+            if engine is None and req.engine == "server"
+            else None
+        )
         try:
-            await _sample_and_rescore(
-                req, sampler, (ref, draft), prompts, res, progress, classify=edges
-            )
+            async with watch or contextlib.nullcontext():
+                await _sample_and_rescore(
+                    req, sampler, (ref, draft), prompts, res, progress, classify=edges
+                )
+            res.batching = watch.result() if watch is not None else None
             if res.error is None:
                 res.far, res.boundary = edges.far, edges.near
                 res.edge = await measure_edge_leak(
