@@ -16,9 +16,7 @@ from specaudit.speculation import parse_slots
 
 
 def _slots(busy: int, total: int = 4, speculative: bool = True) -> list[dict[str, Any]]:
-    return [
-        {"id": i, "is_processing": i < busy, "speculative": speculative} for i in range(total)
-    ]
+    return [{"id": i, "is_processing": i < busy, "speculative": speculative} for i in range(total)]
 
 
 def test_slots_count_the_busy_ones_and_say_nothing_when_the_field_is_absent() -> None:
