@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
@@ -254,6 +254,14 @@ class NextTokenSource(Protocol):
     draft is known, the draft for q through this one interface."""
 
     async def next_token(self, ids: Sequence[int]) -> NextToken: ...
+
+
+@runtime_checkable
+class SamplerBoundSource(NextTokenSource, Protocol):
+    """A source that answers under given sampler settings and can answer under others (a
+    closed form): a run's arm at another temperature asks it `at` the arm's settings."""
+
+    def at(self, sampler: SamplerSettings) -> NextTokenSource: ...
 
 
 class Reference:
@@ -512,6 +520,7 @@ __all__ = [
     "ModelIdentity",
     "NextToken",
     "NextTokenSource",
+    "SamplerBoundSource",
     "Reference",
     "ReferenceUnusable",
     "ServerReference",

@@ -7,6 +7,8 @@ references are plain servers of the same model file.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +21,7 @@ from specaudit.check.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve
 from specaudit.llama.server import LlamaServer
+from specaudit.outcome import Outcome
 from specaudit.reference import Reference
 from specaudit.rescore import fixture as fixture_ref
 from specaudit.rescore import request, runner
@@ -27,6 +30,7 @@ from specaudit.rescore.records import RescoreError
 from specaudit.stats import Verdict
 
 GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
+ARM_SEEDS = 500  # per arm, 4 tokens each
 
 
 def _fixture_request(
@@ -135,6 +139,52 @@ def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_hav
     assert bad.coupling.diverged > 10 and bad.coupling.p_value < 1e-4
     assert bad.stats.verdict is Verdict.BROKEN
     assert "same-seed coupling" in bad.stats.reason
+
+
+def test_a_temperature_bug_invisible_at_t_1_is_broken_by_the_arm(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
+) -> None:
+    """q-raw (the acceptance ratio's q is the draft's raw softmax, not the distribution the
+    draft token was drawn from) changes no sample at T = 1 on this fixture (docs/mutants.md:
+    byte-identical to stock there), so a run at T = 1 alone cannot see it; the arm at
+    T = 0.7, on by default, does, and the run is BROKEN."""
+    bins = llama.ensure(patches=(resolve("mutants/q-raw"),))
+    srv = shared_servers.fixture(bins, fixture_set, "rejection")
+    req = dataclasses.replace(
+        _fixture_request(srv.url, server("fixture-plain").url, fixture_set, seeds=ARM_SEEDS),
+        arm_temperature=request.default_arm(REPORT_SAMPLER),
+    )
+    res = runner.run(req)
+    assert res.stats is not None and res.arm is not None and res.arm.stats is not None
+    print("q-raw, T = 1:", res.stats.verdict.value, res.stats.reason)
+    print("q-raw, arm:", res.arm.stats.verdict.value, res.arm.stats.reason)
+    assert res.stats.verdict is not Verdict.BROKEN, res.stats.reason
+    assert res.arm.sampler.temperature == 0.7 and res.arm.rescored == ARM_SEEDS * 4
+    assert res.arm.stats.verdict is Verdict.BROKEN, res.arm.stats.reason
+    assert res.outcome is Outcome.FINDING and res.exit_code == 1
+
+
+def test_the_command_adds_the_arm_at_t_0_7_by_default(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, cli: Any
+) -> None:
+    """`specaudit rescore --url` at T = 1 runs the arm at 0.7 without being asked, reports
+    both arms and their joint outcome as its exit code; `--arm-temperature off` runs one."""
+    spec = fixture_set.spec
+    args = [
+        "rescore", "--url", server("fixture-spec-rejection").url,
+        "--reference-url", server("fixture-plain").url, "--prompt", spec.prompt,
+        "--seeds", "200", "--tokens", "4", "--top-k", "3", "--no-control", "--json",
+    ]  # fmt: skip
+    r = cli(*args)
+    out = json.loads(r.stdout)
+    assert r.exit_code == {"ok": 0, "finding": 1, "no decision": 2}[out["outcome"]]
+    assert out["outcome"] != "finding", out["stats"]
+    assert out["sampler"]["temperature"] == 1.0 and out["rescored"] == 800
+    arm = out["arm"]
+    assert arm["sampler"]["temperature"] == 0.7 and arm["rescored"] == 800
+    assert arm["verdict"] in ("PRESERVED", "INCONCLUSIVE"), arm["stats"]
+    one = json.loads(cli(*args, "--arm-temperature", "off").stdout)
+    assert one["arm"] is None and one["rescored"] == 800
 
 
 def _gemma(url: str, **ref: Any) -> runner.RescoreResult:

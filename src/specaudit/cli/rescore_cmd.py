@@ -32,6 +32,7 @@ from specaudit.distribution import registry
 from specaudit.outcome import EXIT_TAIL_HELP
 
 if TYPE_CHECKING:
+    from specaudit.fixtures import SamplerSettings
     from specaudit.llama.patches import Patch
 
 RESCORE_EXIT_HELP = (
@@ -75,6 +76,23 @@ class _RescoreCommand(click.Command):
             for entry, opt in registry.options()
         ]
         return params[:at] + own + params[at:]
+
+
+class _ArmTemperature(click.ParamType):
+    """auto, off, or a temperature above 0 (checked with the request)."""
+
+    name = "auto|off|T"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str) or value in ("auto", "off"):
+            return value
+        try:
+            t = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not auto, off or a temperature", param, ctx)
+        if not 0 < t < float("inf"):
+            self.fail(f"{value!r} is not a temperature above 0", param, ctx)
+        return t
 
 
 @click.command("rescore", cls=_RescoreCommand, epilog=RESCORE_EXIT_HELP)
@@ -162,6 +180,17 @@ class _RescoreCommand(click.Command):
 )
 @tokens_option(default=8, min_value=1, help="Tokens per sample.")
 @temperature_option()
+@click.option(
+    "--arm-temperature",
+    "arm",
+    type=_ArmTemperature(),
+    default="auto",
+    show_default=True,
+    help="With --url: the same run again at this temperature, decided as a second family "
+    "(each arm at alpha / 2; twice the sampling). At T = 1 a sampler that applies the "
+    "temperature wrongly is invisible. auto: 0.7 when --temperature is 1, no arm otherwise; "
+    "off: no arm.",
+)
 @click.option("--top-k", type=click.IntRange(0, 1 << 20), default=40, show_default=True)
 @click.option("--top-p", type=FiniteFloat(min=0, max=1, min_open=True), default=1.0)
 @click.option("--min-p", type=FiniteFloat(min=0, max=1, max_open=True), default=0.0)
@@ -209,6 +238,7 @@ def command(
     seeds: int,
     tokens: int,
     temperature: float,
+    arm: str | float,
     top_k: int,
     top_p: float,
     min_p: float,
@@ -247,6 +277,7 @@ def command(
         _refuse_url_only_options(
             self_check=self_check, url_engine=engine != "server" or model_name != "model",
             prompts=len(prompts), draft=bool(draft_url or draft_model), coupling=coupling,
+            arm=not isinstance(arm, str),
         )  # fmt: skip
         _dist(
             dist_engines, url=url, fixture=fixture, fixture_kind=fixture_kind, patches=patches,
@@ -269,9 +300,9 @@ def command(
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
         draft_url=draft_url, draft_model=draft_model, self_check=self_check,
         control=control and not self_check, coupling=coupling,
-        tolerance=tolerance,
+        tolerance=tolerance, arm_temperature=_arm(arm, sampler, self_check),
     )  # fmt: skip
-    total = req.seeds * req.n_prompts
+    total = req.seeds * req.n_prompts * (2 if req.arm_temperature is not None else 1)
     with sample_progress("re-scoring", total, unit="samples", quiet=as_json) as cb:
         res = runner.run(req, progress=lambda done, _n: cb(done))
     if plot is not None and res.stats is not None:
@@ -286,8 +317,23 @@ def command(
     raise SystemExit(res.exit_code)
 
 
+def _arm(arm: str | float, sampler: SamplerSettings, self_check: bool) -> float | None:
+    """--arm-temperature resolved: auto is `request.default_arm` (none with --self)."""
+    from specaudit.rescore import request
+
+    if arm == "off" or (arm == "auto" and self_check):
+        return None
+    return request.default_arm(sampler) if arm == "auto" else float(arm)
+
+
 def _refuse_url_only_options(
-    *, self_check: bool, url_engine: bool, prompts: int, draft: bool, coupling: bool
+    *,
+    self_check: bool,
+    url_engine: bool,
+    prompts: int,
+    draft: bool,
+    coupling: bool,
+    arm: bool,
 ) -> None:
     """What --dist-engine cannot take (a usage error, exit 2)."""
     if self_check:
@@ -300,6 +346,11 @@ def _refuse_url_only_options(
         raise click.UsageError("--dist-engine knows its fixture's draft: no --draft-url")
     if coupling:
         raise click.UsageError("--coupling goes with --url (a server sampled at its seeds)")
+    if arm:
+        raise click.UsageError(
+            "--arm-temperature goes with --url (--dist-engine samples the fixture at "
+            "--temperature; run it again at another)"
+        )
 
 
 def _dist(

@@ -75,6 +75,7 @@ __all__ = [
     "Certificate",
     "certify",
     "certify_draws",
+    "confidence_percent",
     "favourite_bound",
     "mixture_radius",
     "one_sided_radius",
@@ -113,6 +114,12 @@ BLIND_SPOTS = (
     "the repeated-prefix TV assumes the engine's distribution at a prefix is the same at "
     "every visit, and holds for a run whose seeds were fixed in advance",
 )
+
+
+def confidence_percent(c: float) -> str:
+    """A confidence level as a person writes it: 99%, 99.5% (a run with an arm at another
+    temperature decides each arm at alpha / 2; rounding 99.5% to whole percent said 100%)."""
+    return f"{c * 100:.6g}%"
 
 
 @dataclass(frozen=True)
@@ -465,7 +472,8 @@ def _statement(
     by = {b.name: b for b in bounds}
     pit, fav = by[SPLIT[0]], by[SPLIT[1]]
     parts = [
-        f"with {1 - alpha:.0%} confidence, over {tokens} sampled tokens, on average at most "
+        f"with {confidence_percent(1 - alpha)} confidence, over {tokens} sampled tokens, "
+        "on average at most "
         f"{pit.upper:.1%} of a step's probability mass moved across any cut of the token order "
         "(toward or away from the draft's favourite)",
         f"the favourite's probability is within ±{100 * fav.upper:.1f} percentage points of "

@@ -35,5 +35,9 @@ class FixtureDraft:
         )
         return NextToken(probs={self.spec.token_ids[t]: p for t, p in dist.items() if p > 0})
 
+    def at(self, sampler: SamplerSettings) -> FixtureDraft:
+        """The same draft under other settings (a run's arm at another temperature)."""
+        return FixtureDraft(self.spec, sampler)
+
 
 __all__ = ["FixtureDraft", "text_of"]

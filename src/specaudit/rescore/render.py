@@ -11,6 +11,7 @@ from typing import Any
 
 from specaudit.report import md_table, to_jsonable
 from specaudit.rescore.analysis import RescoreStats
+from specaudit.rescore.certify import confidence_percent
 from specaudit.rescore.draft_lr import DraftEvidence
 from specaudit.rescore.engines import EngineRescoreResult
 from specaudit.rescore.runner import RescoreResult
@@ -52,6 +53,7 @@ def to_json(res: RescoreResult) -> dict[str, Any]:
             else None
         ),
         "control": to_json(res.control) if res.control is not None else None,
+        "arm": to_json(res.arm) if res.arm is not None else None,
         "notes": res.notes,
         "samples": [to_jsonable(s) for s in res.samples],
     }
@@ -109,6 +111,7 @@ def rows(res: RescoreResult) -> list[tuple[Any, ...]]:
         ("draft-aimed e-value", _draft_cell(s.draft) if s else None),
         ("tokens that would decide", s.needed if s and s.verdict.value == "INCONCLUSIVE" else None),
         ("control arm (the reference sampled at the same seeds)", _control_cell(res)),
+        ("arm at another temperature (below)", _arm_cell(res)),
         ("same-seed coupling", res.coupling.summary() if res.coupling else None),
         (
             "stopped early (--sequential)",
@@ -130,6 +133,24 @@ def _control_cell(res: RescoreResult) -> str | None:
         f"{c.stats.verdict.value} ({c.rescored} tokens, {_outside_cell(c)}, "
         f"KS p = {c.stats.ks_p:.3g})"
     )
+
+
+def _arm_cell(res: RescoreResult) -> str | None:
+    a = res.arm
+    if a is None:
+        return None
+    verdict = a.stats.verdict.value if a.stats else f"no decision: {a.error}"
+    return (
+        f"T = {a.sampler.temperature:g}: {verdict} ({a.rescored} tokens); both arms at "
+        f"alpha / 2, together {_together(res)}"
+    )
+
+
+def _together(res: RescoreResult) -> str:
+    """Both arms' outcome in the verdicts' words."""
+    return {"ok": "not broken", "finding": "BROKEN", "no decision": "no decision"}[
+        res.outcome.value
+    ]
 
 
 def _outside_cell(res: RescoreResult) -> str | None:
@@ -193,7 +214,7 @@ def bounds_table(s: RescoreStats) -> str:
         (
             "bound",
             "estimate",
-            f"upper ({cert.confidence:.0%} jointly)",
+            f"upper ({confidence_percent(cert.confidence)} jointly)",
             "tolerance",
             "within",
             "tokens to decide",
@@ -222,6 +243,10 @@ def markdown(res: RescoreResult) -> str:
         lines += [""] + [f"- {n}" for n in res.notes]
     if res.error:
         lines += ["", f"error: {res.error}"]
+    if res.arm is not None:
+        t = res.arm.sampler.temperature
+        lines += ["", f"#### The arm at temperature {t:g}", "", markdown(res.arm)]
+        lines += ["", f"Both arms together (each at alpha / 2): **{_together(res)}**."]
     return "\n".join(lines)
 
 

@@ -24,6 +24,11 @@ DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacc
 MAX_TOKENS = 512
 MAX_SEEDS = 10_000_000
 MAX_CONCURRENCY = 256
+# the arm at another temperature a run adds when its own is 1 (`default_arm`): at T = 1 the
+# temperature is the identity, so a sampler that applies it wrongly (or not at all, or at the
+# wrong place in its chain) is invisible; 0.7 is a common production setting
+ARM_TEMPERATURE = 0.7
+MAX_TEMPERATURE = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class RescoreRequest:
     coupling: bool = False
     # no reference: each token against the engine's own reported post-sampling distribution
     self_check: bool = False
+    # the same run again at this temperature, decided as a second family (each at alpha / 2)
+    arm_temperature: float | None = None
 
     @property
     def n_prompts(self) -> int:
@@ -93,6 +100,7 @@ def make_request(
     control: bool = False,
     coupling: bool = False,
     self_check: bool = False,
+    arm_temperature: float | None = None,
 ) -> RescoreRequest:
     """Check every input before anything is started (one-line RescoreError, exit 2)."""
     url = validate.url(url, "--url", RescoreError)
@@ -115,6 +123,7 @@ def make_request(
     tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
     if not 0 < tolerance < 1:
         raise RescoreError("--tolerance must be between 0 and 1")
+    check_arm(arm_temperature, sampler, self_check=self_check)
     if prompt_ids and engine != "server":
         raise RescoreError("prompts as token ids need --engine server")
     ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
@@ -125,7 +134,8 @@ def make_request(
         raise RescoreError(f"--tokens must be between 1 and {MAX_TOKENS}")
     check_run(
         seeds=seeds, seed_start=seed_start, tokens=tokens, prompts=len(ids) or len(texts),
-        alpha=alpha, concurrency=concurrency, sampler=sampler,
+        alpha=alpha / 2 if arm_temperature is not None else alpha, concurrency=concurrency,
+        sampler=sampler,
     )  # fmt: skip
     return RescoreRequest(
         url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
@@ -133,8 +143,28 @@ def make_request(
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
         concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
         draft_model=draft_path, draft=draft, tolerance=tolerance, control=control,
-        coupling=coupling, self_check=self_check,
+        coupling=coupling, self_check=self_check, arm_temperature=arm_temperature,
     )  # fmt: skip
+
+
+def default_arm(sampler: SamplerSettings) -> float | None:
+    """The arm a run adds by default: `ARM_TEMPERATURE` when its own temperature is 1 (where
+    temperature bugs are invisible), none when the production setting already is not 1."""
+    return ARM_TEMPERATURE if sampler.temperature == 1.0 else None
+
+
+def check_arm(arm: float | None, sampler: SamplerSettings, *, self_check: bool = False) -> None:
+    """The temperature arm, checked (one-line RescoreError)."""
+    if arm is None:
+        return
+    if self_check:
+        raise RescoreError("--self takes no temperature arm (--arm-temperature off)")
+    if not 0 < arm <= MAX_TEMPERATURE:
+        raise RescoreError(f"--arm-temperature must be above 0 and at most {MAX_TEMPERATURE:g}")
+    if arm == sampler.temperature:
+        raise RescoreError(
+            f"--arm-temperature {arm:g} is the run's own temperature: an arm must differ"
+        )
 
 
 def check_reference(

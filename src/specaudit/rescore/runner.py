@@ -25,6 +25,7 @@ from specaudit.reference import (
     NextTokenSource,
     Reference,
     ReferenceUnusable,
+    SamplerBoundSource,
     aread_next_token,
     completion_body,
     identity_from_models,
@@ -93,16 +94,32 @@ class RescoreResult:
     batching: Batching | None = None
     notes: list[str] = field(default_factory=list)  # e.g. the impossible tokens, named
     draws: list[TokenDraw] = field(default_factory=list, repr=False)
+    # the same run at another temperature (`RescoreRequest.arm_temperature`), its own family;
+    # each arm was decided at alpha / 2, and `outcome` is both together
+    arm: RescoreResult | None = field(default=None, repr=False)
 
     @property
     def sampled_tokens(self) -> int:
         return sum(len(s.ids) for s in self.samples)
 
     @property
-    def outcome(self) -> Outcome:
+    def own_outcome(self) -> Outcome:
+        """This arm's alone."""
         if self.stats is None or self.error is not None:
             return Outcome.NO_DECISION
         return self.stats.verdict.outcome
+
+    @property
+    def outcome(self) -> Outcome:
+        """With a temperature arm: a finding if either arm is BROKEN (each was decided at
+        alpha / 2, so together they keep alpha), OK only if both are, else no decision."""
+        own = self.own_outcome
+        if self.arm is None:
+            return own
+        both = (own, self.arm.own_outcome)
+        if Outcome.FINDING in both:
+            return Outcome.FINDING
+        return Outcome.OK if both == (Outcome.OK, Outcome.OK) else Outcome.NO_DECISION
 
     @property
     def exit_code(self) -> int:
@@ -137,7 +154,35 @@ def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResul
                 start_reference(req.reference_model, parallel=req.concurrency)
             )
         assert url is not None
-        return asyncio.run(run_against(req, url, progress))
+        if req.arm_temperature is None:
+            return asyncio.run(run_against(req, url, progress))
+        return asyncio.run(_with_arm(req, url, progress))
+
+
+async def _with_arm(
+    req: RescoreRequest, ref_url: str, progress: ProgressFn | None
+) -> RescoreResult:
+    """The run at its own settings, then again at `req.arm_temperature`, each a family of its
+    own at alpha / 2 (Bonferroni over the two arms: valid whatever the dependence between
+    them; both draw the same seeds). The arm is skipped when the first run could not decide."""
+    assert req.arm_temperature is not None
+    half = dataclasses.replace(req, alpha=req.alpha / 2, arm_temperature=None)
+    res = await run_against(half, ref_url, progress)
+    if res.error is not None or res.stats is None:
+        return res
+    n = req.seeds * req.n_prompts
+    sampler = dataclasses.replace(req.sampler, temperature=req.arm_temperature)
+    # a closed-form draft answers at the arm's settings; one that cannot is left out (q aims
+    # the tests, it never makes them valid); a draft server is asked at the arm's settings
+    draft = req.draft.at(sampler) if isinstance(req.draft, SamplerBoundSource) else None
+    arm = dataclasses.replace(
+        half, sampler=sampler, draft=draft,
+        label=f"{req.label or req.url} at T = {req.arm_temperature:g}",
+    )  # fmt: skip
+    res.arm = await run_against(
+        arm, ref_url, (lambda done, _t: progress(n + done, 2 * n)) if progress else None
+    )
+    return res
 
 
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
