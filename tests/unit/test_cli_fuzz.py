@@ -75,6 +75,8 @@ def hostile(param: click.Parameter) -> list[str]:
         return NUMBER
     if t.name == "url":
         return URL
+    if t.name == "auto|off|T":  # rescore --arm-temperature: a word or a number
+        return CHOICE + NUMBER
     if isinstance(t, click.Path):
         return FILE_PATH if not t.dir_okay else DIR_PATH
     if t.name == "text" or t is click.STRING:

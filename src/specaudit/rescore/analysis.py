@@ -62,6 +62,12 @@ FIXED_TESTS = (
     outside.NAME,
 )
 DRAFT_TEST = "draft-aimed e-process"
+# long generations: the PIT values of each band of positions get a KS test of their own in the
+# family, so a bug that acts only late (a long KV cache, many verification rounds, a draft
+# that drifts) is not diluted by the early tokens. Bands double: 0-7, 8-15, 16-31, ...; a run
+# of at most 8 tokens per sample has one band, the whole run, and no extra test
+FIRST_BAND = 8
+MIN_BAND_VALUES = 50  # a band with fewer PIT values is folded into the one before it
 
 
 def ks_detectable(n: int, level: float, power: float = POWER) -> float:
@@ -266,7 +272,46 @@ def _fixed_tests(
         ScoreTest(name, t.statistic, t.p_value, t.detail)
         for name, t in zip(FIXED_TESTS, whole, strict=True)
     ]
-    return named, scores.prefix_tests(draws, seed=seed)
+    return [*named, *position_band_tests(pits)], scores.prefix_tests(draws, seed=seed)
+
+
+def position_bands(positions: Collection[int]) -> list[tuple[int, int]]:
+    """[lo, hi) bands of token positions: 0-7, then doubling (8-15, 16-31, ...), up to the
+    last position present."""
+    last = max(positions, default=-1)
+    bands, lo, hi = [], 0, FIRST_BAND
+    while lo <= last:
+        bands.append((lo, hi))
+        lo, hi = hi, 2 * hi
+    return bands
+
+
+def position_band_tests(pits: Pits) -> list[ScoreTest]:
+    """A KS test of the PIT values per band of positions (`position_bands`), when there is
+    more than one: under the null every PIT value is U(0,1) given everything before it, so
+    any fixed subset of them is a sample of U(0,1), whatever the generation's length."""
+    groups: list[tuple[int, int, list[float]]] = []
+    for lo, hi in position_bands(pits.by_position):
+        u = [x for p in range(lo, hi) for x in pits.by_position.get(p, [])]
+        if groups and len(u) < MIN_BAND_VALUES:
+            groups[-1] = (groups[-1][0], hi, groups[-1][2] + u)
+        else:
+            groups.append((lo, hi, u))
+    if len(groups) < 2:
+        return []
+    last = max(pits.by_position)
+    out = []
+    for lo, hi, u in groups:
+        p = float(stats.kstest(np.array(u), "uniform").pvalue) if u else 1.0
+        out.append(
+            ScoreTest(
+                f"KS at positions {lo}-{min(hi, last + 1) - 1}",
+                math.nan,
+                p,
+                f"{len(u)} PIT values of the tokens at positions {lo} to {min(hi, last + 1) - 1}",
+            )
+        )
+    return out
 
 
 def _family(members: Sequence[ScoreTest], level: float) -> list[FamilyTest]:
