@@ -39,6 +39,7 @@ from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama import LlamaServer
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
+from specaudit.llama.presets import draft_chain
 from specaudit.rescore import analysis, request, runner
 from specaudit.rescore import fixture as fixture_ref
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = dict(
                     url=srv.url, reference_url=fref.url, prompt_ids=[spec.tokenize(spec.prompt)],
                     tokens=4, sampler=REPORT_SAMPLER, alpha=ALPHA,
-                    draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
+                    draft=fixture_ref.FixtureDraft(spec, draft_chain(REPORT_SAMPLER)),
                 )  # fmt: skip
                 res = rescore_looks(
                     base, args.fixture_seeds, FIRST_LOOK, stop_early, args.seed_start

@@ -19,18 +19,23 @@ from shared_servers import SharedServers
 from specaudit import fixtures, llama
 from specaudit.check.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
-from specaudit.llama.patches import resolve
+from specaudit.llama.patches import resolve, resolve_all
+from specaudit.llama.presets import draft_chain
 from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
 from specaudit.reference import Reference
 from specaudit.rescore import fixture as fixture_ref
-from specaudit.rescore import request, runner
+from specaudit.rescore import flags, request, runner
 from specaudit.rescore.outside import EDGE_PREFIXES
 from specaudit.rescore.records import RescoreError
 from specaudit.stats import Verdict
 
 GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 ARM_SEEDS = 500  # per arm, 4 tokens each
+# the fixture draft's q as llama.cpp's probabilistic draft samples it (top-k 10, the target's
+# temperature): what rejection sampling weighs against p
+DRAFT_CHAIN = draft_chain(REPORT_SAMPLER)
+FLAG_SEEDS = 150
 
 
 def _fixture_request(
@@ -44,7 +49,7 @@ def _fixture_request(
         seeds=seeds,
         tokens=4,
         sampler=REPORT_SAMPLER,
-        draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
+        draft=fixture_ref.FixtureDraft(spec, DRAFT_CHAIN),
     )
 
 
@@ -120,7 +125,7 @@ def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_hav
         req = request.make_request(
             url, reference_url=ref, prompt_ids=[spec.tokenize(spec.prompt)], seeds=100,
             tokens=4, sampler=REPORT_SAMPLER, control=True, coupling=True,
-            draft=fixture_ref.FixtureDraft(spec, REPORT_SAMPLER),
+            draft=fixture_ref.FixtureDraft(spec, DRAFT_CHAIN),
         )  # fmt: skip
         return runner.run(req)
 
@@ -139,6 +144,37 @@ def test_same_seed_coupling_sees_a_greedy_path_bug_a_correct_engine_does_not_hav
     assert bad.coupling.diverged > 10 and bad.coupling.p_value < 1e-4
     assert bad.stats.verdict is Verdict.BROKEN
     assert "same-seed coupling" in bad.stats.reason
+
+
+def test_flagged_tokens_test_the_verification_rule_and_catch_a_residual_bug(
+    server: Callable[..., Any], fixture_set: fixtures.FixtureSet, shared_servers: SharedServers
+) -> None:
+    """The spec-logprobs build flags each speculated token (the draft's proposal there, the
+    rule that verified it): on its rejection path the acceptance count and the residual
+    draws keep their laws; with `residual-target` on top (after a rejection, x is drawn from
+    p, not norm(max(0, p - q))), tokens the residual has no mass for appear and the residual
+    test alone makes the run BROKEN, where the marginal tests see little at this size."""
+    ref = server("fixture-plain").url
+
+    def rescored(*patches: str) -> runner.RescoreResult:
+        bins = llama.ensure(patches=resolve_all(patches))
+        srv = shared_servers.fixture(bins, fixture_set, "rejection")
+        return runner.run(_fixture_request(srv.url, ref, fixture_set, seeds=FLAG_SEEDS))
+
+    good = rescored("spec-logprobs")
+    assert good.stats is not None and good.stats.verdict is not Verdict.BROKEN, good.stats
+    by = {t.name: t for t in good.stats.tests}
+    acc, resid = by[flags.ACCEPTANCE], by[flags.RESIDUAL]
+    flagged = [d for d in good.draws if d.verified_by is not None]
+    assert {d.verified_by for d in flagged} == {"rejection"}
+    assert len(flagged) > 200 and not acc.rejects and not resid.rejects
+    assert "where the residual has no mass" not in resid.detail
+    bad = rescored("spec-logprobs", "mutants/residual-target")
+    assert bad.stats is not None and bad.stats.verdict is Verdict.BROKEN
+    worst = {t.name: t for t in bad.stats.tests}
+    assert worst[flags.RESIDUAL].rejects and "where the residual has no mass" in (
+        worst[flags.RESIDUAL].detail
+    )
 
 
 def test_a_temperature_bug_invisible_at_t_1_is_broken_by_the_arm(

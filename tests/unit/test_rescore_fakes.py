@@ -294,7 +294,9 @@ def test_the_samplers_send_the_sampler_chain_with_end_tokens_masked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The bodies the engine under test is asked with: the same sampler chain and settings as
-    the reference's, `ignore_eos` on (an early stop would drop the end token's draw)."""
+    the reference's, `ignore_eos` on (an early stop would drop the end token's draw), and one
+    post-sampling probability per token (where a build that flags its speculated tokens puts
+    the flags; `report_probs` asks for more)."""
     chain = {
         "samplers": ["top_k", "top_p", "min_p", "temperature"],
         "top_k": 3, "top_p": 1.0, "min_p": 0.0, "temperature": 1.0, "ignore_eos": True,
@@ -307,6 +309,8 @@ def test_the_samplers_send_the_sampler_chain_with_end_tokens_masked(
             **chain,
             "return_tokens": True,
             "cache_prompt": False,
+            "n_probs": 1,
+            "post_sampling_probs": True,
             "prompt": [ord("x"), ord("a")],
             "seed": 5,
         }

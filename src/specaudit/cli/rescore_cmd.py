@@ -29,6 +29,7 @@ from specaudit.cli.common import (
 )
 from specaudit.cli.dist_cmd import _EngineChoice, _known_patches
 from specaudit.distribution import registry
+from specaudit.llama.presets import DRAFT_TOP_K
 from specaudit.outcome import EXIT_TAIL_HELP
 
 if TYPE_CHECKING:
@@ -158,6 +159,14 @@ class _ArmTemperature(click.ParamType):
     help="The draft's GGUF: specaudit serves it as a plain llama-server itself.",
 )
 @click.option(
+    "--draft-top-k",
+    type=click.IntRange(1, 1 << 20),
+    default=DRAFT_TOP_K,
+    show_default=True,
+    help="The draft's own top-k: the draft server is asked at it and the run's temperature "
+    "(llama.cpp's probabilistic drafts sample at top-k 10), the q rejection sampling weighs.",
+)
+@click.option(
     "--self",
     "self_check",
     is_flag=True,
@@ -233,6 +242,7 @@ def command(
     reference_model: Path | None,
     draft_url: str | None,
     draft_model: Path | None,
+    draft_top_k: int,
     self_check: bool,
     prompts: tuple[str, ...],
     seeds: int,
@@ -298,7 +308,8 @@ def command(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
         prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
-        draft_url=draft_url, draft_model=draft_model, self_check=self_check,
+        draft_url=draft_url, draft_model=draft_model, draft_top_k=draft_top_k,
+        self_check=self_check,
         control=control and not self_check, coupling=coupling,
         tolerance=tolerance, arm_temperature=_arm(arm, sampler, self_check),
     )  # fmt: skip

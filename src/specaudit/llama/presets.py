@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specaudit.fixtures.reference import SamplerSettings
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
@@ -26,6 +27,18 @@ DEFAULT_SPEC_TYPE = "draft-simple"
 # llama.cpp's --spec-draft-sampling: greedy (its default; sample-and-match), probabilistic
 # (the draft samples and reports q; the target verifies by rejection sampling, temperature > 0)
 DRAFT_SAMPLING = ("greedy", "probabilistic")
+# A probabilistic draft samples from its own chain, not the target's: top-k 10, then the
+# target's temperature, nothing else (common/speculative.cpp, spec_retune); rejection sampling
+# weighs that q against p, so a test of the verification rule needs this q
+DRAFT_TOP_K = 10
+
+
+def draft_chain(sampler: SamplerSettings, top_k: int = DRAFT_TOP_K) -> SamplerSettings:
+    """The sampler settings llama.cpp's probabilistic draft samples with, for a request
+    sampled with `sampler`."""
+    return SamplerSettings(top_k=top_k, top_p=1.0, min_p=0.0, temperature=sampler.temperature)
+
+
 # The verification paths a fixture server can exercise (docs/dist.md, "Verification paths"):
 # no speculation; a greedy draft (sample-and-match); a probabilistic draft (rejection
 # sampling); n-gram drafting from the context (ngram-mod: no draft model, sample-and-match);

@@ -37,7 +37,7 @@ import numpy as np
 from scipy import special, stats
 
 from specaudit.reference import NextToken
-from specaudit.rescore import certify, draft_lr, outside, scores
+from specaudit.rescore import certify, draft_lr, flags, outside, scores
 from specaudit.rescore.certify import DEFAULT_TOLERANCE, Certificate
 from specaudit.rescore.draft_lr import DraftEvidence
 from specaudit.rescore.outside import EdgeLeak, OutsideTest
@@ -203,7 +203,10 @@ def analyse(
     draft = evidence if evidence.used else None
     family_level = alpha / 2 if sequential else alpha
     whole, prefixes = _fixed_tests(draws, pits, seed, counted)
-    members = [*whole, *prefixes, *extra]
+    # where the engine flags its speculated tokens: each flagged position a direct trial of
+    # its verification rule (`rescore.flags`)
+    flagged = flags.flag_tests(draws, ratio_bound=ratio_bound, seed=seed)
+    members = [*whole, *flagged, *prefixes, *extra]
     if draft is not None and not sequential:
         members.append(ScoreTest(DRAFT_TEST, draft.e_value, min(1.0, 1 / draft.e_value), ""))
     family = _family(members, family_level)

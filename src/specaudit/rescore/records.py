@@ -30,7 +30,8 @@ class TokenDraw:
 
     `prefix_key` identifies the exact token-id prefix (prompt ids + tokens generated before
     this one): equal keys are repeated prefixes (per-position G-tests pool them). `draft_token`
-    is the draft's proposal at this position when the engine reports it (None otherwise);
+    is the draft's proposal at this position when the engine flags it (None otherwise, and
+    for the token after a fully accepted draft, which `verified_by` still names);
     `draft_favourite` the draft model's most likely token for this prefix when known (with a
     model that is its own draft, the reference's argmax). `draft` is the draft's processed
     next-token distribution at this exact prefix (what it proposes from, after its own sampler
@@ -47,6 +48,9 @@ class TokenDraw:
     draft_token: int | None = None
     draft_favourite: int | None = None
     draft: NextToken | None = None
+    # the rule that verified this token's draft proposal when the engine flags it
+    # ("rejection", "match", ...; `rescore.flags`): None for a token sampled one at a time
+    verified_by: str | None = None
 
 
 __all__ = ["DEFAULT_ALPHA", "RescoreError", "TokenDraw"]

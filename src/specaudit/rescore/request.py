@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specaudit import validate
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
+from specaudit.llama.presets import DRAFT_TOP_K
 from specaudit.reference import NextTokenSource
 from specaudit.rescore import analysis
 from specaudit.rescore.analysis import DEFAULT_ALPHA
@@ -60,6 +61,10 @@ class RescoreRequest:
     draft_url: str | None = None
     draft_model: Path | None = None
     draft: NextTokenSource | None = None
+    # the draft server is asked at the draft's own chain (`presets.draft_chain`: llama.cpp's
+    # probabilistic draft samples at top-k 10 and the target's temperature), the q that
+    # rejection sampling weighs against p
+    draft_top_k: int = DRAFT_TOP_K
     tolerance: float = DEFAULT_TOLERANCE
     # the reference sampled at the same seeds through the same test (`rescore.control`);
     # `coupling`: its same-seed divergence is a test of the family (sample-and-match engines)
@@ -96,6 +101,7 @@ def make_request(
     draft_url: str | None = None,
     draft_model: Path | str | None = None,
     draft: NextTokenSource | None = None,
+    draft_top_k: int = DRAFT_TOP_K,
     tolerance: float | None = None,
     control: bool = False,
     coupling: bool = False,
@@ -113,11 +119,9 @@ def make_request(
     reference_url, ref_model = check_reference(
         reference_url, reference_model, required=not self_check
     )
-    draft_url, draft_path = check_draft(draft_url, draft_model)
-    if draft is not None and (draft_url or draft_path):
-        raise RescoreError("give one draft: a server, a model file or a closed form")
-    if self_check and (draft_url or draft_path or draft):
-        raise RescoreError("--self takes no draft")
+    draft_url, draft_path = check_draft(
+        draft_url, draft_model, closed=draft, self_check=self_check, top_k=draft_top_k
+    )
     if self_check and (control or coupling):
         raise RescoreError("--self has no reference to sample as a control")
     tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
@@ -142,8 +146,8 @@ def make_request(
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
         concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
-        draft_model=draft_path, draft=draft, tolerance=tolerance, control=control,
-        coupling=coupling, self_check=self_check, arm_temperature=arm_temperature,
+        draft_model=draft_path, draft=draft, draft_top_k=draft_top_k, tolerance=tolerance,
+        control=control, coupling=coupling, self_check=self_check, arm_temperature=arm_temperature,
     )  # fmt: skip
 
 
@@ -180,11 +184,24 @@ def check_reference(
 
 
 def check_draft(
-    draft_url: str | None, draft_model: Path | str | None
+    draft_url: str | None,
+    draft_model: Path | str | None,
+    *,
+    closed: NextTokenSource | None = None,
+    self_check: bool = False,
+    top_k: int = DRAFT_TOP_K,
 ) -> tuple[str | None, Path | None]:
     """The draft of a re-scored run, checked (one-line RescoreError): at most one of a
-    parseable `draft_url` and an existing `draft_model` file."""
-    return _server_or_file(draft_url, draft_model, "draft")
+    parseable `draft_url`, an existing `draft_model` file and a `closed` form; none with
+    `self_check`; a draft top-k of at least 1."""
+    url, path = _server_or_file(draft_url, draft_model, "draft")
+    if closed is not None and (url or path):
+        raise RescoreError("give one draft: a server, a model file or a closed form")
+    if self_check and (url or path or closed):
+        raise RescoreError("--self takes no draft")
+    if not 1 <= top_k <= 1 << 20:
+        raise RescoreError("--draft-top-k must be between 1 and 1048576")
+    return url, path
 
 
 def _server_or_file(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import SamplerSettings
+from specaudit.llama.presets import draft_chain
 from specaudit.outcome import Outcome
 from specaudit.reference import (
     ModelIdentity,
@@ -36,6 +37,7 @@ from specaudit.rescore import analysis, outside
 from specaudit.rescore.analysis import RescoreStats
 from specaudit.rescore.batching import Batching, SlotsWatch
 from specaudit.rescore.control import CONTROL_REPEATS, Coupling, couple
+from specaudit.rescore.flags import DraftFlag
 from specaudit.rescore.outside import EdgeLeak, Key
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.request import RescoreRequest, seed_jobs
@@ -340,7 +342,7 @@ async def _control_arm(
     )
     edges = OutsideSorter(ref, res.prompts, n_probs, margin, req.timeout)
     for g in own:
-        got = await _rescored(sources, g.seed, g.prompt, res.prompts[g.prompt], g.ids)
+        got = await _rescored(sources, g.seed, g.prompt, res.prompts[g.prompt], g.ids, g.flags)
         await edges.classify(got)
         ctl.draws += got
     ctl.rescored = len(ctl.draws)
@@ -358,8 +360,9 @@ async def _open_draft(
     vocabulary), else `req.draft` (a closed form), else None."""
     if req.draft_url is None:
         return req.draft
+    chain = draft_chain(req.sampler, req.draft_top_k)
     draft = await stack.enter_async_context(
-        Reference(req.draft_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency)
+        Reference(req.draft_url, chain, timeout=req.timeout, concurrency=req.concurrency)
     )
     try:
         d_ident = await draft.prepare()
@@ -440,7 +443,7 @@ async def _sample_and_rescore(
         if ref_failed:
             return
         try:
-            got = await _rescored(sources, seed, p, prompts[p], s.ids)
+            got = await _rescored(sources, seed, p, prompts[p], s.ids, s.flags)
             await OutsideSorter.sort(classify, got)
             draws[(seed, p)] = got
         except (ClientError, ReferenceUnusable, RescoreError) as e:
@@ -507,9 +510,11 @@ async def _rescored(
     prompt: int,
     prompt_ids: Sequence[int],
     ids: Sequence[int],
+    flags: Sequence[DraftFlag | None] = (),
 ) -> list[TokenDraw]:
     """Every token of one generation with the reference's distribution for its exact prefix
-    (and the draft's there, with its favourite, when the run knows the draft)."""
+    (and the draft's there, with its favourite, when the run knows the draft), with the
+    engine's flag for it where it flags its speculated tokens (`rescore.flags`)."""
     ref, draft = sources
     out = []
     for i, tok in enumerate(ids):
@@ -518,7 +523,21 @@ async def _rescored(
         q = await _ask(draft, prefix) if draft is not None else None
         fav = min(q.probs, key=lambda t: (-q.probs[t], t)) if q is not None and q.probs else None
         key = f"{prompt}:" + ",".join(map(str, ids[:i]))
-        out.append(TokenDraw(seed, prompt, i, key, tok, nt, draft_favourite=fav, draft=q))
+        flag = flags[i] if i < len(flags) else None
+        out.append(
+            TokenDraw(
+                seed,
+                prompt,
+                i,
+                key,
+                tok,
+                nt,
+                draft_favourite=fav,
+                draft=q,
+                draft_token=flag.draft if flag else None,
+                verified_by=flag.rule if flag else None,
+            )  # fmt: skip
+        )
     return out
 
 

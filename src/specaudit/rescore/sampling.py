@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import SamplerSettings
 from specaudit.reference import COVERAGE, NextToken, sampling_fields
+from specaudit.rescore.flags import DraftFlag, align, parse_flags
 from specaudit.rescore.records import RescoreError
 
 
@@ -36,6 +37,9 @@ class SeededGeneration:
     # the engine's own post-sampling distribution per token (`ServerSampler(report_probs=)`):
     # None where it reported none that covers the sampler's support (a placeholder)
     reported: tuple[NextToken | None, ...] = ()
+    # per token, what the engine's flags say its speculative loop did (`rescore.flags`): ()
+    # for an engine that does not flag
+    flags: tuple[DraftFlag | None, ...] = ()
 
 
 class Sampler(Protocol):
@@ -78,8 +82,12 @@ class ServerSampler:
             "return_tokens": True,
             "cache_prompt": False,
         }
-        if report_probs:  # the engine's own processed distribution per token, for --self
-            self._body.update(n_probs=report_probs, post_sampling_probs=True)
+        # n_probs: the engine's own processed distribution per token (`report_probs`, for
+        # --self), and at least one entry per token, where a build that flags its speculated
+        # tokens puts the flags (`rescore.flags`); post-sampling: the sampler's few candidates,
+        # not a sort of the whole vocabulary
+        self.report_probs = report_probs
+        self._body.update(n_probs=max(1, report_probs), post_sampling_probs=True)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -101,24 +109,26 @@ class ServerSampler:
             )
         t = body.get("timings") if isinstance(body, dict) else None
         t = t if isinstance(t, dict) else {}
-        reported = _reported(body, len(ids)) if "n_probs" in self._body else ()
+        entries = body.get("completion_probabilities") if isinstance(body, dict) else None
+        entries = entries if isinstance(entries, list) else []
+        reported = _reported(entries, ids) if self.report_probs else ()
         return SeededGeneration(
-            seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")), reported
-        )
+            seed, prompt, ids, _int(t.get("draft_n")), _int(t.get("draft_n_accepted")), reported,
+            flags=parse_flags(entries, ids),
+        )  # fmt: skip
 
 
-def _reported(body: Any, n: int) -> tuple[NextToken | None, ...]:
+def _reported(entries: Sequence[object], ids: Sequence[int]) -> tuple[NextToken | None, ...]:
     """Each token's reported post-sampling distribution (None: none, or not covering the
-    sampler's support: what a placeholder is)."""
-    entries = body.get("completion_probabilities") if isinstance(body, dict) else None
-    entries = entries if isinstance(entries, list) else []
+    sampler's support: what a placeholder is), its entry found by id (`flags.align`)."""
     out: list[NextToken | None] = []
-    for i in range(n):
+    for e in align(entries, ids):
         probs: dict[int, float] = {}
+        top: Any = e.get("top_probs") if e is not None else None
         try:
-            for c in entries[i]["top_probs"]:
+            for c in top if isinstance(top, list) else ():
                 probs[int(c["id"])] = float(c["prob"])
-        except (IndexError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             probs = {}
         out.append(NextToken(probs=probs) if sum(probs.values()) >= COVERAGE else None)
     return tuple(out)
