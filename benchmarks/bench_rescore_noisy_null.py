@@ -83,7 +83,9 @@ def row_of(res: runner.RescoreResult, run: int, seed_start: int, seeds: int) -> 
         row["verdict"] = "no decision"
         return row
     raw = min(s.tests, key=lambda t: t.p_value)
-    adj = min(s.tests, key=lambda t: t.adjusted)
+    # Holm's adjusted p-values are monotone in the raw ones; ties (often at 1) go to the test
+    # with the smaller raw p, so the name is the test that came nearest to rejecting
+    adj = min(s.tests, key=lambda t: (t.adjusted, t.p_value))
     row.update(
         verdict=s.verdict.value,
         reason=s.reason,
