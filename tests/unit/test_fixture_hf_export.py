@@ -66,7 +66,7 @@ def test_export_is_proven_against_the_gguf_and_the_closed_form(
     own = {"last-token": 8, "context": 64}[kind]
     assert (ex.head_size, ex.source_head_size) == (head or own, own)
     assert ex.exact == (kind == "last-token" or head is None)  # zeros only, or rescaled
-    assert ex.prefixes == 1 + 8 + 64
+    assert ex.prefixes == 1 + 8 + 64 + 512
     assert ex.max_abs_diff <= hf.TRUTH_TOLERANCE
     assert ex.logits_max_diff <= hf.WIDEN_TOLERANCE
     if ex.exact:
@@ -150,7 +150,7 @@ def test_two_exports_are_byte_identical_and_the_cli_says_so(
     assert code == 0, err
     row = json.loads(out)
     assert row["kind"] == "last-token" and row["format"] == "hf"
-    assert (row["head_size"], row["source_head_size"], row["prefixes"]) == (32, 8, 73)
+    assert (row["head_size"], row["source_head_size"], row["prefixes"]) == (32, 8, 585)
     assert row["bitwise"] is True and row["logits_max_diff"] == 0.0
     assert row["max_abs_diff"] <= row["truth_tolerance"] == 1e-5
     assert Path(row["target"]) == tmp_path / "target"

@@ -106,7 +106,7 @@ def export_cmd(
     head_size: int | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Write the fixture as Hugging Face folders into DIRECTORY and prove them: transformers'
-    logits on the prompt and every continuation of up to two letters equal the original
+    logits on the prompt and every continuation of up to three letters equal the original
     GGUF's, and their probabilities the closed form within 1e-5, before anyone samples."""
     from specaudit.fixtures import hf
 
