@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,15 @@ def test_a_proof_that_fails_is_an_error_and_leaves_no_manifest(
     assert "\n" not in str(e.value)
     assert (tmp_path / "target" / "model.safetensors").is_file()
     assert not (tmp_path / hf.MANIFEST).exists()
+
+
+def test_missing_extra_or_unwritable_directory_is_one_line(
+    sources: dict[str, fixtures.FixtureSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(fixtures.FixtureError, match="cannot write the Hugging Face export"):
+        hf.export_hf(sources["last-token"], tmp_path / "a-file")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(fixtures.FixtureError, match=r"pip install 'specaudit\[transformers\]'"):
+        hf.export_fixture(tmp_path / "out", kind="context")
+    assert not (tmp_path / "out").exists()  # refused before building or writing
