@@ -229,3 +229,19 @@ def test_missing_extra_or_unwritable_directory_is_one_line(
     with pytest.raises(fixtures.FixtureError, match=r"pip install 'specaudit\[transformers\]'"):
         hf.export_fixture(tmp_path / "out", kind="context")
     assert not (tmp_path / "out").exists()  # refused before building or writing
+
+
+def test_values_that_matter_need_their_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zero queries and keys make RoPE moot, but values that are not zero must fit the head."""
+    real = hf.tensors
+
+    def with_values(spec: fixtures.FixtureSpec, which: fixtures.Which) -> list[Any]:
+        out = dict(real(spec, which))
+        out["blk.0.attn_v.weight"] = np.eye(16, dtype=np.float32)
+        return list(out.items())
+
+    monkeypatch.setattr(hf, "tensors", with_values)
+    spec = fixtures.default_spec()
+    assert hf.plan_head(spec, 32) == hf.HeadPlan(32, 8, 0, 1.0, True)
+    with pytest.raises(fixtures.FixtureError, match="values fill 8 dimensions per head"):
+        hf.plan_head(spec, 4)
