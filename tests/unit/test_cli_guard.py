@@ -222,7 +222,8 @@ def test_redaction_of_known_and_credential_shaped_secrets() -> None:
 @pytest.mark.parametrize(
     "args",
     [["--help"], *([name, "--help"] for name in COMMANDS)]
-    + [["llama", "build", "--help"], ["llama", "path", "--help"], ["fixtures", "build", "--help"]],
+    + [["llama", "build", "--help"], ["llama", "path", "--help"], ["fixtures", "build", "--help"]]
+    + [["fixtures", "export", "--help"]],
 )
 def test_every_help_documents_the_internal_error_code(cli: CliFn, args: list[str]) -> None:
     code, out, _ = cli(*args)

@@ -1,0 +1,247 @@
+"""`fixtures.hf`: the fixtures as Hugging Face folders (what vLLM reads), proven before use.
+
+Each export is loaded back here with plain transformers (`AutoModelForCausalLM`,
+`AutoTokenizer` on the folder, no specaudit code in between) and held to the closed form, to
+the GGUF's tokenizer and to the GGUF's own weights as transformers' GGUF loader reads them;
+the refusals and the failed proof are shown to fire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specaudit import fixtures
+from specaudit.fixtures import hf
+
+CliFn = Callable[..., tuple[int, str, str]]
+T1 = fixtures.SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+# (kind, --head-size): own head sizes (8 and 64), the last-token widened to 32 (zeros), the
+# context widened to 128 (its queries rescaled by sqrt(2))
+CASES = [("last-token", None), ("last-token", 32), ("context", None), ("context", 128)]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, fixtures.FixtureSet]:
+    root = tmp_path_factory.mktemp("gguf")
+    kinds: tuple[fixtures.FixtureKind, ...] = ("last-token", "context")
+    return {k: fixtures.build(root / k, kind=k) for k in kinds}
+
+
+@pytest.fixture(scope="module")
+def exports(
+    sources: dict[str, fixtures.FixtureSet], tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, int | None], hf.HfExport]:
+    root = tmp_path_factory.mktemp("hf")
+    return {(k, n): hf.export_hf(sources[k], root / f"{k}-{n}", head_size=n) for k, n in CASES}
+
+
+def _model(path: Path, gguf_file: str | None = None) -> Any:
+    """transformers' model from a folder (or a GGUF in it), its progress bars silenced."""
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    with contextlib.redirect_stderr(io.StringIO()):
+        return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+MODELS: tuple[fixtures.Which, ...] = ("target", "draft")
+
+
+@pytest.mark.parametrize(("kind", "head"), CASES)
+def test_export_is_proven_against_the_gguf_and_the_closed_form(
+    sources: dict[str, fixtures.FixtureSet],
+    exports: dict[tuple[str, int | None], hf.HfExport],
+    kind: str,
+    head: int | None,
+) -> None:
+    ex = exports[(kind, head)]
+    own = {"last-token": 8, "context": 64}[kind]
+    assert (ex.head_size, ex.source_head_size) == (head or own, own)
+    assert ex.exact == (kind == "last-token" or head is None)  # zeros only, or rescaled
+    assert ex.prefixes == 1 + 8 + 64 + 512
+    assert ex.max_abs_diff <= hf.TRUTH_TOLERANCE
+    assert ex.logits_max_diff <= hf.WIDEN_TOLERANCE
+    if ex.exact:
+        assert ex.bitwise and ex.logits_max_diff == 0.0
+    manifest = json.loads(ex.manifest.read_text())
+    assert manifest["fixture"] == {"kind": kind, "name": ex.spec.name}
+    assert manifest["source_sha256"] == sources[kind].sha256
+    assert manifest["format"] == "hf" and manifest["head_size"] == ex.head_size
+
+
+@pytest.mark.parametrize(("kind", "head"), CASES)
+def test_plain_transformers_reads_the_closed_form(
+    exports: dict[tuple[str, int | None], hf.HfExport], kind: str, head: int | None
+) -> None:
+    """The folder alone, through AutoModelForCausalLM: probabilities within 1e-5 of
+    `next_token_distribution` at T = 1, target and draft, at the exported head size."""
+    ex = exports[(kind, head)]
+    spec = ex.spec
+    for which in MODELS:
+        model = _model(ex.target if which == "target" else ex.draft)
+        assert model.config.head_dim == ex.head_size
+        for text in (spec.prompt, spec.prompt + "f", spec.prompt + "fe", "a", "hgfedcba"):
+            with torch.no_grad():
+                z = model(torch.tensor([spec.tokenize(text)])).logits[0, -1].double()
+            got = torch.softmax(z, dim=-1).numpy()
+            want = fixtures.next_token_distribution(spec, text, T1, which)
+            assert np.abs(got - np.array(list(want.values()))).max() <= 1e-5, (which, text)
+
+
+@pytest.mark.parametrize("kind", ["last-token", "context"])
+def test_tokenizer_round_trips_the_letters_to_the_gguf_ids(
+    sources: dict[str, fixtures.FixtureSet],
+    exports: dict[tuple[str, int | None], hf.HfExport],
+    kind: str,
+) -> None:
+    fs = sources[kind]
+    spec = fs.spec
+    tok = AutoTokenizer.from_pretrained(exports[(kind, None)].target)
+    with contextlib.redirect_stderr(io.StringIO()):
+        gguf_tok = AutoTokenizer.from_pretrained(fs.dir, gguf_file=fs.target.name)
+    text = "".join(spec.letters) + spec.prompt
+    ids = tok(text).input_ids  # default add_special_tokens: the GGUF adds no BOS
+    assert ids == spec.tokenize(text) == gguf_tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (
+        spec.bos_id, spec.eos_id, spec.unk_id,
+    )  # fmt: skip
+    assert tok.convert_ids_to_tokens(list(range(spec.n_vocab))) == list(spec.tokens)
+    assert tok.decode(ids + [spec.eos_id], skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("kind", ["last-token", "context"])
+def test_weights_are_the_ggufs_as_transformers_reads_them(
+    sources: dict[str, fixtures.FixtureSet], kind: str
+) -> None:
+    """At its own head size the export's tensors are exactly what transformers' GGUF loader
+    makes of the fixture (names, the q/k permutation, values)."""
+    fs = sources[kind]
+    plan = hf.plan_head(fs.spec)
+    for which in MODELS:
+        path = fs.target if which == "target" else fs.draft
+        model = _model(path.parent, path.name)
+        theirs = {k: v.numpy() for k, v in model.state_dict().items()}
+        ours = hf.state_dict(fs.spec, which, plan)
+        assert sorted(ours) == sorted(theirs)
+        for name, array in ours.items():
+            assert np.array_equal(array, theirs[name]), (which, name)
+
+
+def test_two_exports_are_byte_identical_and_the_cli_says_so(
+    sources: dict[str, fixtures.FixtureSet],
+    exports: dict[tuple[str, int | None], hf.HfExport],
+    tmp_path: Path,
+    cli: CliFn,
+) -> None:
+    first = exports[("last-token", 32)]
+    code, out, err = cli(
+        "fixtures", "export", str(tmp_path), "--format", "hf",
+        "--fixture", str(sources["last-token"].dir), "--head-size", "32", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    row = json.loads(out)
+    assert row["kind"] == "last-token" and row["format"] == "hf"
+    assert (row["head_size"], row["source_head_size"], row["prefixes"]) == (32, 8, 585)
+    assert row["bitwise"] is True and row["logits_max_diff"] == 0.0
+    assert row["max_abs_diff"] <= row["truth_tolerance"] == 1e-5
+    assert Path(row["target"]) == tmp_path / "target"
+    assert row["files"] == dict(first.files)
+    written = sorted(p.relative_to(first.dir) for p in first.dir.rglob("*") if p.is_file())
+    assert [str(p) for p in written] == sorted(first.files)
+    for rel in written:
+        assert (tmp_path / rel).read_bytes() == (first.dir / rel).read_bytes(), rel
+    assert sorted(p.name for p in first.target.iterdir()) == sorted(hf.MODEL_FILES)
+
+
+def test_a_head_that_cannot_keep_the_context_attention_is_refused(
+    sources: dict[str, fixtures.FixtureSet], tmp_path: Path, cli: CliFn
+) -> None:
+    with pytest.raises(fixtures.FixtureError) as e:
+        hf.export_hf(sources["context"], tmp_path / "x", head_size=32)
+    msg = str(e.value)
+    assert "\n" not in msg and "head size 32 cannot keep" in msg and "multiple of 64" in msg
+    assert not (tmp_path / "x").exists()
+    code, out, err = cli("fixtures", "export", str(tmp_path / "c"), "--format", "hf",
+                         "--kind", "context", "--head-size", "96")  # fmt: skip
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: head size 96 cannot keep"), err
+    assert not (tmp_path / "c" / hf.FIXTURE_DIR).exists()  # refused before building
+
+
+@pytest.mark.parametrize(
+    ("kind", "head", "match"),
+    [
+        ("context", 3, "must be an even number"),
+        ("mtp", None, "exists for the last-token and context kinds"),
+        ("replay", None, "exists for the last-token and context kinds"),
+    ],
+)
+def test_other_refusals(kind: str, head: int | None, match: str) -> None:
+    with pytest.raises(fixtures.FixtureError, match=match):
+        hf.plan_head(fixtures.spec_for_kind(kind), head)
+
+
+def test_last_token_keeps_its_function_at_any_even_head() -> None:
+    spec = fixtures.default_spec()
+    for n in (2, 8, 10, 32, 512):
+        assert hf.plan_head(spec, n) == hf.HeadPlan(n, 8, 0, 1.0, True)
+    ctx = fixtures.context_spec()
+    assert hf.plan_head(ctx, 256) == hf.HeadPlan(256, 64, 4, 2.0, False)
+
+
+def test_a_proof_that_fails_is_an_error_and_leaves_no_manifest(
+    sources: dict[str, fixtures.FixtureSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proof is not decorative: a weight off by 1e-3 in the written file is caught."""
+    real = hf.state_dict
+
+    def off(spec: fixtures.FixtureSpec, which: Any, plan: hf.HeadPlan) -> dict[str, Any]:
+        params = real(spec, which, plan)
+        params["lm_head.weight"] = params["lm_head.weight"] + np.float32(1e-3)
+        return params
+
+    monkeypatch.setattr(hf, "state_dict", off)
+    with pytest.raises(fixtures.FixtureError, match="differ from the original's") as e:
+        hf.export_hf(sources["last-token"], tmp_path, head_size=32)
+    assert "\n" not in str(e.value)
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+    assert not (tmp_path / hf.MANIFEST).exists()
+
+
+def test_missing_extra_or_unwritable_directory_is_one_line(
+    sources: dict[str, fixtures.FixtureSet], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(fixtures.FixtureError, match="cannot write the Hugging Face export"):
+        hf.export_hf(sources["last-token"], tmp_path / "a-file")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(fixtures.FixtureError, match=r"pip install 'specaudit\[transformers\]'"):
+        hf.export_fixture(tmp_path / "out", kind="context")
+    assert not (tmp_path / "out").exists()  # refused before building or writing
+
+
+def test_values_that_matter_need_their_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zero queries and keys make RoPE moot, but values that are not zero must fit the head."""
+    real = hf.tensors
+
+    def with_values(spec: fixtures.FixtureSpec, which: fixtures.Which) -> list[Any]:
+        out = dict(real(spec, which))
+        out["blk.0.attn_v.weight"] = np.eye(16, dtype=np.float32)
+        return list(out.items())
+
+    monkeypatch.setattr(hf, "tensors", with_values)
+    spec = fixtures.default_spec()
+    assert hf.plan_head(spec, 32) == hf.HeadPlan(32, 8, 0, 1.0, True)
+    with pytest.raises(fixtures.FixtureError, match="values fill 8 dimensions per head"):
+        hf.plan_head(spec, 4)
