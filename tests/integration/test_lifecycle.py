@@ -133,6 +133,7 @@ def test_no_orphan_when_the_parent_is_interrupted_or_killed(
     llama_bins: LlamaBinaries,
     fixture_set: fixtures.FixtureSet,
     sig: signal.Signals,
+    tmp_path: Path,
 ) -> None:
     """Ctrl-C, SIGTERM (via the CLI's handler semantics) and even SIGKILL of the parent."""
     script = _child_script(llama_bins, Path(fixture_set.target), "time.sleep(120)\n")
@@ -142,14 +143,28 @@ def test_no_orphan_when_the_parent_is_interrupted_or_killed(
             "def _t(s, f): raise KeyboardInterrupt\n"
             "signal.signal(signal.SIGTERM, _t)\n" + script
         )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # the child's Python stacks on SIGUSR1 (faulthandler): a child that does not exit in time
+    # says where it waits, in the failure's message
+    script = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1)\n" + script
+    err = tmp_path / "child.err"
+    with err.open("wb") as err_file:
+        child = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err_file, text=True
+        )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
         server_pid = int(line.strip())
         assert _alive(server_pid)
         child.send_signal(sig)
-        child.wait(timeout=30)
+        # stopping takes at most the server's 10 s grace and a SIGKILL; the rest is slack for
+        # a loaded machine
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            pytest.fail(f"the child did not exit after {sig.name}:\n{err.read_text()}")
         assert _wait_dead(server_pid), f"llama-server {server_pid} outlived its parent ({sig.name})"
     finally:
         if child.poll() is None:
