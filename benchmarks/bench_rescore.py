@@ -22,6 +22,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 from specaudit import llama, models
 from specaudit.fixtures import SamplerSettings
@@ -33,11 +34,19 @@ from specaudit.rescore.sampling import ServerSampler
 SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 
 
-async def sample_only(url: str, ref_url: str, seeds: range, tokens: int, conc: int) -> float:
+async def sample_only(
+    url: str,
+    ref_url: str,
+    seeds: range,
+    tokens: int,
+    conc: int,
+    sampler: SamplerSettings = SAMPLER,
+    texts: Sequence[str] = request.DEFAULT_PROMPTS,
+) -> float:
     """Seconds to draw every (seed, prompt) sample from the engine, `conc` at a time."""
-    async with Reference(ref_url, SAMPLER) as ref:  # tokenises the prompts, untimed
-        prompts = [await ref.tokenize(p) for p in request.DEFAULT_PROMPTS]
-    smp = ServerSampler(url, SAMPLER, tokens, concurrency=conc)
+    async with Reference(ref_url, sampler) as ref:  # tokenises the prompts, untimed
+        prompts = [await ref.tokenize(p) for p in texts]
+    smp = ServerSampler(url, sampler, tokens, concurrency=conc)
     sem = asyncio.Semaphore(conc)
 
     async def one(seed: int, p: int) -> None:

@@ -143,6 +143,12 @@ def test_no_orphan_when_the_parent_is_interrupted_or_killed(
             "def _t(s, f): raise KeyboardInterrupt\n"
             "signal.signal(signal.SIGTERM, _t)\n" + script
         )
+    if sig == signal.SIGINT:
+        # Ctrl-C as a terminal delivers it: Python's own handler, even when this run inherited
+        # SIGINT ignored (a suite started in the background of a non-interactive shell)
+        script = (
+            "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + script
+        )
     # the child's Python stacks on SIGUSR1 (faulthandler): a child that does not exit in time
     # says where it waits, in the failure's message
     script = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1)\n" + script
