@@ -96,12 +96,31 @@ SHARED_SESSION_GROUPS = {
     ),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for path in paths}
-# The longest files first when workers share them out (the longest-first rule): a long file
-# started last would run alone at the end while the other worker idles.
+# The longest files first when workers share them out (longest-processing-time first): a long
+# file started late would run alone at the end while the other worker idles; the tail is then
+# short files, which fill both workers evenly. Ordered by their summed seconds in a measured
+# `./run test` (benchmarks/bench_suite.py --keep, its JUnit XML); files not named follow,
+# integration before unit.
 FIRST = (
-    "tests/integration/test_upstream_server_tests.py",
-    "tests/integration/test_gemma_logprob_mutants.py",
-    "dist-section",
+    "tests/integration/test_upstream_server_tests.py",  # 267 s
+    "tests/integration/test_rescore_servers.py",  # 140 s
+    "tests/integration/test_gemma_logprob_mutants.py",  # 139 s
+    "tests/integration/test_dist_replay.py",  # 118 s
+    "dist-section",  # 115 s
+    "tests/integration/test_rescore_engines.py",  # 80 s
+    "tests/integration/test_audit_model.py",  # 65 s
+    "tests/integration/test_patched_proof.py",  # 65 s
+    "tests/integration/test_patch_equality.py",  # 63 s
+    "tests/integration/test_dist_mtp.py",  # 49 s
+    "tests/integration/test_check_reference.py",  # 44 s
+    "tests/integration/test_dist_under_load.py",  # 36 s
+    "tests/integration/test_speculative_fix.py",  # 33 s
+    "tests/unit/test_dist_verdicts.py",  # 30 s
+    "tests/integration/test_ab_servers.py",  # 29 s
+    "tests/integration/test_dist_ngram_types.py",  # 27 s
+    "tests/unit/test_cli_guard.py",  # 24 s
+    "tests/integration/test_check_servers.py",  # 22 s
+    "tests/integration/test_dist_openvino.py",  # 21 s
 )
 
 
@@ -126,12 +145,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # in a worker (every worker collects alike): integration (minutes per file) before
         # unit (seconds), the longest first; a serial run keeps its order
-        def rank(item: pytest.Item) -> tuple[int, int]:
-            group = _group(item.nodeid)
-            first = FIRST.index(group) if group in FIRST else len(FIRST)
-            return (first, 0 if group.startswith("tests/integration/") else 1)
+        items.sort(key=lambda item: rank_of(item.nodeid))
 
-        items.sort(key=rank)
+
+def rank_of(nodeid: str) -> tuple[int, int]:
+    """Where a test's file (or group) comes in a side-by-side run: `FIRST` in its order, then
+    integration files, then unit files."""
+    group = _group(nodeid)
+    first = FIRST.index(group) if group in FIRST else len(FIRST)
+    return (first, 0 if group.startswith("tests/integration/") else 1)
 
 
 # Seconds per test directory, printed at the end of a run: the suite's time budget (README,
