@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine_package import install_engine_package
+from suite_order import group_of, rank_of
 
 # LiteLLM fetches its model price map from the internet when imported; the tests never need it
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -82,61 +83,15 @@ def toy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     sys.modules.pop("toy_engine", None)
 
 
-# Tests run side by side (`./run test`: pytest-xdist), one test file per worker, so a file's
-# module-scoped servers start once. Files that share an expensive session fixture go to one
-# worker too: the audit's dist section (1000 seeds on every path, `dist_section` in
-# tests/integration/conftest.py) would otherwise be sampled once per worker. (xdist's own
-# `--dist loadgroup` does not group under pytest 9: its suffix on the node id is ignored.)
-SHARED_SESSION_GROUPS = {
-    "dist-section": (
-        "tests/integration/test_dist_llama.py",
-        "tests/integration/test_dist_openai.py",
-        "tests/integration/test_fixture_context_server.py",
-        "tests/integration/test_mutants.py",
-    ),
-}
-_GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for path in paths}
-# The longest files first when workers share them out (longest-processing-time first): a long
-# file started late would run alone at the end while the other worker idles; the tail is then
-# short files, which fill both workers evenly. Ordered by their summed seconds in a measured
-# `./run test` (benchmarks/bench_suite.py --keep, its JUnit XML); files not named follow,
-# integration before unit.
-FIRST = (
-    "tests/integration/test_upstream_server_tests.py",  # 267 s
-    "tests/integration/test_rescore_servers.py",  # 140 s
-    "tests/integration/test_gemma_logprob_mutants.py",  # 139 s
-    "tests/integration/test_dist_replay.py",  # 118 s
-    "dist-section",  # 115 s
-    "tests/integration/test_rescore_engines.py",  # 80 s
-    "tests/integration/test_audit_model.py",  # 65 s
-    "tests/integration/test_patched_proof.py",  # 65 s
-    "tests/integration/test_patch_equality.py",  # 63 s
-    "tests/integration/test_dist_mtp.py",  # 49 s
-    "tests/integration/test_check_reference.py",  # 44 s
-    "tests/integration/test_dist_under_load.py",  # 36 s
-    "tests/integration/test_speculative_fix.py",  # 33 s
-    "tests/unit/test_dist_verdicts.py",  # 30 s
-    "tests/integration/test_ab_servers.py",  # 29 s
-    "tests/integration/test_dist_ngram_types.py",  # 27 s
-    "tests/unit/test_cli_guard.py",  # 24 s
-    "tests/integration/test_check_servers.py",  # 22 s
-    "tests/integration/test_dist_openvino.py",  # 21 s
-)
-
-
-def _group(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
-    return _GROUP_OF.get(path, path)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Work units of whole files (and of `SHARED_SESSION_GROUPS`), in collection order."""
+    """Work units of whole files (and of `suite_order.SHARED_SESSION_GROUPS`), in collection
+    order (`suite_order.rank_of`)."""
     # pytest-xdist ships no type information (no py.typed)
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _group(nodeid)
+            return group_of(nodeid)
 
     return ByFile(config, log)
 
@@ -146,14 +101,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # in a worker (every worker collects alike): integration (minutes per file) before
         # unit (seconds), the longest first; a serial run keeps its order
         items.sort(key=lambda item: rank_of(item.nodeid))
-
-
-def rank_of(nodeid: str) -> tuple[int, int]:
-    """Where a test's file (or group) comes in a side-by-side run: `FIRST` in its order, then
-    integration files, then unit files."""
-    group = _group(nodeid)
-    first = FIRST.index(group) if group in FIRST else len(FIRST)
-    return (first, 0 if group.startswith("tests/integration/") else 1)
 
 
 # Seconds per test directory, printed at the end of a run: the suite's time budget (README,
