@@ -121,9 +121,12 @@ def sample(rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum((u >= cum).sum(axis=-1), rows.shape[-1] - 1)
 
 
-def _record(i: int, key: str, position: int, p: np.ndarray, tok: int, fav: int) -> TokenDraw:
+def _record(
+    i: int, key: str, position: int, p: np.ndarray, tok: int, fav: int, q: np.ndarray | None = None
+) -> TokenDraw:
     nt = NextToken(probs=dict(enumerate(p.tolist())))
-    return TokenDraw(i, 0, position, key, tok, nt, draft_favourite=fav)
+    draft = None if q is None else NextToken(probs=dict(enumerate(q.tolist())))
+    return TokenDraw(i, 0, position, key, tok, nt, draft_favourite=fav, draft=draft)
 
 
 def run(
@@ -139,11 +142,18 @@ def run(
 
 
 def chain(
-    n: int, rng: np.random.Generator, shape: Shape = head, bug: Bug = none, *, length: int = 8
+    n: int,
+    rng: np.random.Generator,
+    shape: Shape = head,
+    bug: Bug = none,
+    *,
+    length: int = 8,
+    with_draft: bool = False,
 ) -> list[TokenDraw]:
     """n tokens in generations of `length`, each step's distribution a function of the token
     before it (a table of TOP_K distributions): the steps are dependent, as a real
-    generation's are."""
+    generation's are. `with_draft`: each record carries the draft's q, as a run with a draft
+    reference does."""
     table = shape(rng, TOP_K)
     drafts = draft_of(table, rng)
     engine = bug(table, drafts)
@@ -158,7 +168,8 @@ def chain(
             u = rng.random()
         tok = min(int((u * cum[prev, -1] >= cum[prev]).sum()), TOP_K - 1)
         key = f"{i // length}:{pos}"
-        out.append(_record(i // length, key, pos, table[prev], tok, int(favs[prev])))
+        q = drafts[prev] if with_draft else None
+        out.append(_record(i // length, key, pos, table[prev], tok, int(favs[prev]), q))
         prev = tok
     return out
 
