@@ -345,6 +345,24 @@ def test_rejected_and_the_paths_table() -> None:
     assert "- `mtp`: needs MTP heads" in md
 
 
+def test_inconsistent_draft_counters_are_said_never_printed_as_a_negative_count() -> None:
+    """OpenVINO GenAI's draft path has reported more accepted than drafted tokens: no table or
+    line prints "-1021 rejected"; each says the counters are inconsistent."""
+    e = distribution.EngineResult(
+        engine="x", kind="openvino", verdict=Verdict.PRESERVED, alpha=0.01, tolerance=0.15,
+        n_samples=10, first_seed=1, last_seed=10, drafted=488, accepted=1509, tests=[],
+        contexts=[], headline=[], impossible=0, reason="", seconds=1.0, path="draft",
+    )  # fmt: skip
+    assert distribution.rejected(e) is None
+    cell = distribution.draft_cell(e)
+    assert "-1021" not in cell and "inconsistent" in cell
+    wl = distribution.make_workload(fixtures.default_spec())
+    res = distribution.DistResult("x", Path("."), {}, wl, 0.01, 0.15, False, [e])
+    md = distribution.paths_markdown(res)
+    assert "| x | draft | PRESERVED | 10 | 488 | 1509 | inconsistent |" in md
+    assert "-1021" not in md
+
+
 def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() -> None:
     """Every --spec-type of b11434 once: covered ones with the verdict and draft counts of the
     run that exercised their path ("not run" otherwise), the rest "no" with a reason."""

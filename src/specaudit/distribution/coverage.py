@@ -239,9 +239,19 @@ def not_covered(paths: Sequence[str], temperature: float) -> list[tuple[str, str
     return out
 
 
+INCONSISTENT = "inconsistent"  # what a table says where the engine's counters contradict
+
+
+def counts_consistent(e: EngineResult) -> bool:
+    """Whether the engine's draft counters can both be true: never more tokens accepted than
+    drafted (OpenVINO GenAI's draft path reports more, docs/openvino.md)."""
+    return e.drafted is None or e.accepted is None or e.accepted <= e.drafted
+
+
 def rejected(e: EngineResult) -> int | None:
-    """Draft tokens the target rejected: drafted − accepted (None without counts)."""
-    if e.drafted is None or e.accepted is None:
+    """Draft tokens the target rejected: drafted − accepted (None without counts, and when the
+    counters are inconsistent: a negative count would be printed as if it were one)."""
+    if e.drafted is None or e.accepted is None or not counts_consistent(e):
         return None
     return e.drafted - e.accepted
 
@@ -252,9 +262,12 @@ PATH_HEADERS = ("engine", "path", "verdict", "samples", "drafted", "accepted", "
 def path_rows(res: DistResult) -> list[tuple[Any, ...]]:
     """One row per engine: the path it exercised and its draft counts (None: "-")."""
     return [
-        (e.engine, e.path or "-", e.verdict.value, e.n_samples, e.drafted, e.accepted, rejected(e))
+        (
+            e.engine, e.path or "-", e.verdict.value, e.n_samples, e.drafted, e.accepted,
+            rejected(e) if counts_consistent(e) else INCONSISTENT,
+        )
         for e in res.engines
-    ]
+    ]  # fmt: skip
 
 
 def not_covered_lines(items: Sequence[tuple[str, str]]) -> list[str]:
@@ -293,4 +306,6 @@ __all__ = [
     "path_rows",
     "paths_markdown",
     "rejected",
+    "counts_consistent",
+    "INCONSISTENT",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from specaudit.distribution.coverage import counts_consistent, rejected
 from specaudit.distribution.results import ContextResult, DistResult, EngineResult, TestResult
 from specaudit.stats import GofResult, Verdict
 
@@ -128,8 +129,15 @@ def _fmt_stat(g: float) -> str:
 def draft_cell(e: EngineResult) -> str:
     if e.drafted is None:
         return "-"
-    rejected = f", {e.drafted - e.accepted} rejected" if e.accepted is not None else ""
-    return f"{e.drafted} drafted, {e.accepted} accepted{rejected}"
+    if not counts_consistent(e):
+        return (
+            f"{e.drafted} drafted, {e.accepted} accepted (the engine's counters are "
+            "inconsistent: more accepted than drafted)"
+        )
+    n = rejected(e)
+    return f"{e.drafted} drafted, {e.accepted} accepted" + (
+        f", {n} rejected" if n is not None else ""
+    )
 
 
 def evidence_cell(e: EngineResult) -> str:
