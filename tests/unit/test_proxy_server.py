@@ -56,3 +56,11 @@ def test_metrics_are_prometheus_text(px: RunningProxy) -> None:
     assert 'specaudit_proxy_errors_total{kind="bad_request"}' in r.text
     assert 'specaudit_proxy_backend_up{backend="plain"} 0' in r.text
     assert 'specaudit_proxy_backend_speculating{backend="spec"} -1' in r.text
+
+
+def test_a_scrape_does_not_count_itself_in_flight(px: RunningProxy) -> None:
+    """`specaudit_proxy_in_flight` counts requests being served; the /metrics request that
+    reads it (or a /health check) is the proxy answering about itself, not one of them."""
+    httpx.get(px.url + "/health")
+    r = httpx.get(px.url + "/metrics")
+    assert "\nspecaudit_proxy_in_flight 0\n" in r.text

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from specaudit.proxy.metrics import Metrics
 
 log = logging.getLogger("specaudit.proxy")
+# the proxy's own endpoints: answered by the proxy itself, neither counted among the requests
+# served nor in flight (a scrape of /metrics must not read itself as a request being served)
+OWN_ENDPOINTS = frozenset({"/health", "/metrics"})
 
 
 @dataclass
@@ -75,13 +78,19 @@ class Accounting:
         self.metrics.requests.inc("other", "-", "none", "408")
         log.info("client %s: status=408 (request headers not complete in time)", peer)
 
+    def started(self, o: RequestRecord) -> None:
+        """A request begins (by either transport): in flight, unless it only reads the proxy."""
+        if o.endpoint not in OWN_ENDPOINTS:
+            self.metrics.in_flight.inc()
+
     def account(self, method: str, o: RequestRecord, t0: float) -> None:
         """One request answered (by either transport): its counters and its access log line."""
-        self.metrics.in_flight.inc(by=-1)
+        if o.endpoint not in OWN_ENDPOINTS:
+            self.metrics.in_flight.inc(by=-1)
         dt = time.perf_counter() - t0
         self.metrics.duration_sum.inc(by=dt)
         self.metrics.duration_count.inc()
-        if o.endpoint not in ("/health", "/metrics"):
+        if o.endpoint not in OWN_ENDPOINTS:
             self.metrics.requests.inc(o.endpoint, o.route, o.backend, str(o.status))
         if log.isEnabledFor(logging.INFO):
             log.info(

@@ -155,7 +155,7 @@ class Exchange:
         px.inflight[self.done] = o
         self.done.add_done_callback(px.request_done)
         px.pool.busy[role] += 1
-        px.metrics.in_flight.inc()
+        px.accounting.started(o)
 
     # sending --------------------------------------------------------------------------------
 

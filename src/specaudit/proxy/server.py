@@ -102,7 +102,7 @@ class AiohttpPath:
         if task is not None:
             self.state.inflight[task] = o
             task.add_done_callback(self.state.request_done)
-        self.metrics.in_flight.inc()
+        self.state.accounting.started(o)
         resp: web.StreamResponse | None = None
         try:
             if self.state.draining:
