@@ -29,6 +29,8 @@ from specaudit.client import AsyncClient, Client, ClientError
 from specaudit.distribution.engines import SAMPLER_CHAIN
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
+from specaudit.llama.build import LlamaBinaries, ensure
+from specaudit.llama.server import LlamaServer
 
 # The most candidates a reference is asked for: with top-k 0 (no top-k) on a 262k vocabulary
 # the support is the whole vocabulary, which no reference returns per token.
@@ -489,27 +491,44 @@ def incremental_answers(
     return out
 
 
-@contextmanager
-def start_reference(
-    model: Path, *, parallel: int = 4, ctx_size: int = 4096, timeout: float = 120.0
-) -> Iterator[str]:
-    """A plain llama-server (no draft, no --spec-type) on `model`, from the cached b11434
-    build: yields its URL and always stops it."""
-    from specaudit import llama
-    from specaudit.llama.server import LlamaServer
-
+def reference_server(
+    model: Path,
+    *,
+    parallel: int = 4,
+    ctx_size: int = 4096,
+    threads: int | None = None,
+    timeout: float = 120.0,
+    binaries: LlamaBinaries | None = None,
+) -> LlamaServer:
+    """A plain llama-server (no draft, no --spec-type) on `model`, not started, from
+    `binaries` (default: the cached b11434 build); `threads` its -t (None: llama-server's
+    default)."""
     if not model.is_file():
         raise ReferenceUnusable(f"reference model {model} is not a file")
-    bins = llama.ensure()
-    srv = LlamaServer(
-        bins,
+    return LlamaServer(
+        binaries or ensure(),
         model,
         parallel=parallel,
         ctx_size=ctx_size * parallel,
+        extra_args=["-t", str(threads)] if threads else [],
         startup_timeout=timeout,
         name="reference",
-    )
-    with srv:
+    )  # fmt: skip
+
+
+@contextmanager
+def start_reference(
+    model: Path,
+    *,
+    parallel: int = 4,
+    ctx_size: int = 4096,
+    threads: int | None = None,
+    timeout: float = 120.0,
+) -> Iterator[str]:
+    """`reference_server` started: yields its URL and always stops it."""
+    with reference_server(
+        model, parallel=parallel, ctx_size=ctx_size, threads=threads, timeout=timeout
+    ) as srv:
         yield srv.url
 
 

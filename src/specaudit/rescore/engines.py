@@ -37,6 +37,7 @@ from specaudit.distribution.results import DistError
 from specaudit.distribution.truth import encode_text
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
+from specaudit.llama import presets
 from specaudit.outcome import Outcome
 from specaudit.reference import Reference, start_reference
 from specaudit.rescore import request, runner
@@ -263,7 +264,11 @@ def _reference(req: EngineRescoreRequest) -> Iterator[str]:
         yield req.reference_url
         return
     ctx_size = req.dist.fixture.spec.config.context_length
-    with start_reference(req.model, parallel=req.concurrency, ctx_size=ctx_size) as url:
+    # the engine's own server and this reference compute at once: each its share of the cores
+    threads = presets.shared_threads(2)
+    with start_reference(
+        req.model, parallel=req.concurrency, ctx_size=ctx_size, threads=threads
+    ) as url:
         yield url
 
 

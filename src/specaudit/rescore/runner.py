@@ -15,9 +15,11 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from specaudit.client import AsyncClient, ClientError
 from specaudit.fixtures import SamplerSettings
+from specaudit.llama import presets
 from specaudit.llama.presets import draft_chain
 from specaudit.outcome import Outcome
 from specaudit.reference import (
@@ -145,20 +147,30 @@ def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResul
     with reference_refusals(), contextlib.ExitStack() as stack:
         if req.self_check:
             return asyncio.run(_run_self(req, progress))
+        threads = presets.shared_threads(servers_at_work(req))
         if req.draft_model is not None:
             draft_url = stack.enter_context(
-                start_reference(req.draft_model, parallel=req.concurrency)
+                start_reference(req.draft_model, parallel=req.concurrency, threads=threads)
             )
             req = dataclasses.replace(req, draft_url=draft_url, draft_model=None)
         url = req.reference_url
         if req.reference_model is not None:
             url = stack.enter_context(
-                start_reference(req.reference_model, parallel=req.concurrency)
+                start_reference(req.reference_model, parallel=req.concurrency, threads=threads)
             )
         assert url is not None
         if req.arm_temperature is None:
             return asyncio.run(run_against(req, url, progress))
         return asyncio.run(_with_arm(req, url, progress))
+
+
+def servers_at_work(req: RescoreRequest) -> int:
+    """llama-servers computing at once on this machine during the run: the ones it starts
+    (reference, draft) and the engine under test when it is local. Each started one gets its
+    share of the cores (`presets.shared_threads`)."""
+    host = urlsplit(req.url).hostname or ""
+    local = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    return (req.reference_model is not None) + (req.draft_model is not None) + local
 
 
 async def _with_arm(
