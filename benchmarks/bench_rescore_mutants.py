@@ -184,7 +184,10 @@ def exact_null(runs: int, tokens: int, seed: int = 7) -> dict[str, dict[str, flo
 
 
 def binaries(build: str) -> LlamaBinaries:
-    return llama.ensure() if build == "stock" else llama.ensure(patches=(resolve(build),))
+    """A build by name: "stock", a bundled patch or mutant, or patches joined by "+"."""
+    if build == "stock":
+        return llama.ensure()
+    return llama.ensure(patches=tuple(resolve(p) for p in build.split("+")))
 
 
 @contextlib.contextmanager
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="builds to run (default: all)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--rows", type=Path, default=None, help="a JSON of rows already measured")
+    ap.add_argument(
+        "--flags", action="store_true", help="also each mutant on top of spec-logprobs (flags)"
+    )
     ap.add_argument("--null-runs", type=int, default=300, help="simulated exact-null runs")
     ap.add_argument("--null-tokens", type=int, default=1600, help="tokens per null run")
     args = ap.parse_args(argv)
@@ -282,10 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         print(null_table(null, args.null_runs, args.null_tokens))
     # Ctrl-C stops at once, the servers with it (they die with their parent)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    builds = [*CONTROLS, *llama.available_mutants()]
+    mutants = [m for m in llama.available_mutants() if not _logprob_only(m)]
+    builds = [*CONTROLS, *mutants]
+    if args.flags:
+        # the same bugs on the build that flags each speculated token (`rescore.flags`)
+        builds += [f"spec-logprobs+{m}" for m in mutants]
     if args.only:
-        builds = [b for b in builds if b in args.only or b.removeprefix("mutants/") in args.only]
-    builds = [b for b in builds if not b.removeprefix("mutants/").startswith(("lp-", "mtp-"))]
+        builds = [b for b in builds if b in args.only or b.replace("mutants/", "") in args.only]
     fs = distribution.load_fixture(None)
     spec = fs.spec
     gemma = models.gemma_270m().path
@@ -350,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 ARMS = ("fixture T=1", "fixture T=0.7", "gemma T=1", "gemma T=0.7")
+
+
+def _logprob_only(mutant: str) -> bool:
+    """The logprob and MTP mutants: nothing rejection sampling runs on (docs/mutants.md)."""
+    return mutant.removeprefix("mutants/").startswith(("lp-", "mtp-"))
 
 
 def summary(row: dict[str, Any]) -> str:
