@@ -70,7 +70,7 @@ from specaudit.llama.presets import draft_chain
 from specaudit.rescore import analysis, request, runner
 from specaudit.rescore import fixture as fixture_ref
 from specaudit.rescore.pit import favourite_of, pit, poisson_binomial_sf
-from specaudit.rescore.records import TokenDraw
+from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
 
 ALPHA = 0.01
@@ -235,7 +235,14 @@ def run_looks(base: dict[str, Any], max_samples: int, n_prompts: int, control: b
     looks: list[dict[str, Any]] = []
     for look in [n for n in LOOKS if n <= max_samples] or [max_samples]:
         seeds = math.ceil((look - drawn) / n_prompts)
-        res = runner.run(request.make_request(**base, seeds=seeds, seed_start=start))
+        try:
+            res = runner.run(request.make_request(**base, seeds=seeds, seed_start=start))
+        except RescoreError as e:  # a server died: the cell says so, the table goes on
+            if pooled is None:
+                return {"error": str(e), "samples": drawn, "tokens": 0, "first": {}, "why": {},
+                        "looks": [], "final": None}  # fmt: skip
+            pooled.error = str(e)
+            break
         start += seeds
         drawn += seeds * n_prompts
         pooled = _pool(pooled, res)
@@ -350,9 +357,15 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"cost: re-scored {cell['seconds']:.0f} s, sampling alone "
                             f"{alone:.0f} s: {cell['seconds'] / alone:.2f}x")  # fmt: skip
             log(f"{build}: {summary(row)} ({time.monotonic() - t0:.0f} s)")
+            for ref in (fref, gref):
+                if not ref.alive():  # its log stays (ManagedServer keeps a dead server's log)
+                    log(f"the reference {ref.name} died (log {ref.log_path}); resume with --rows")
+                    row["reference_died"] = str(ref.log_path)
             rows.append(row)
             if args.json:  # after every row: a cut-off run keeps what it measured
                 args.json.write_text(json.dumps({"rows": rows, "null": null}, indent=2))
+            if "reference_died" in row:
+                break
     print(table(rows, args.max_samples))
     print(noisy_table(rows))
     return verdict(rows, null)
