@@ -36,6 +36,7 @@ controls' p-values at their last look (several seed ranges and 4,000-token runs:
 
     .venv/bin/python benchmarks/bench_rescore_mutants.py [--max-samples 200]
         [--fixture-max-samples 500] [--only NAME ...] [--json FILE] [--rows FILE]
+        [--simulated-only] [--null-runs 10000 --null-seed 8] [--synthetic-runs 20]
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ from specaudit.llama import LlamaServer
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve
 from specaudit.llama.presets import draft_chain
-from specaudit.rescore import analysis, request, runner
+from specaudit.rescore import analysis, outside, request, runner
 from specaudit.rescore import fixture as fixture_ref
+from specaudit.rescore.outside import EdgeLeak
 from specaudit.rescore.pit import favourite_of, pit, poisson_binomial_sf
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.stats import Verdict
@@ -180,6 +182,99 @@ def exact_null(runs: int, tokens: int, seed: int = 7) -> dict[str, dict[str, flo
     return out
 
 
+# -- the synthetic bug classes ---------------------------------------------------------------
+
+SYNTHETIC_LOOKS = (256, 512, 1024, 1600, 3200)  # tokens; 1600 = 200 Gemma samples of 8 tokens
+GOAL_TOKENS = GOAL_SAMPLES * GEMMA_TOKENS
+
+
+def _topk44(n: int, rng: np.random.Generator) -> tuple[list[TokenDraw], EdgeLeak]:
+    """A top-k 44-instead-of-40 engine on a model whose 40th and 41st tokens swap places in
+    5 % of batch shapes (a correct engine on a quantised model leaks that much), the
+    reference's own leak measured as a run measures it (`bench_rescore_edge.py`)."""
+    draws, rows = rs.topk_run(n, rng, k_engine=44, swap=0.05)
+    picked = outside.sample_draws(n, seed=int(rng.integers(1 << 30)))
+    leaks = rs.topk_leaks(rows, picked, rng, 0.05)
+    return draws, EdgeLeak(leaks, ALPHA * outside.BOUND_SHARE)
+
+
+def _chain_of(bug: rs.Bug = rs.none, stale: float = 0.0) -> Any:
+    return lambda n, rng: (rs.chain(n, rng, bug=bug, with_draft=True, stale=stale), None)
+
+
+# the bug classes of the review that asked for this table (docs/rescore.md, "Power"), simulated
+# exactly: top-k 40 head distributions in dependent generations of 8 with the draft's q known
+SYNTHETIC: dict[str, Any] = {
+    "accept min(1, 1.25 p/q)": _chain_of(rs.acceptance(1.25)),
+    "residual from p (rejected drafts only)": _chain_of(rs.residual_target),
+    "temperature 0.8": _chain_of(rs.temperature(0.8)),
+    "rank 2 -> 3 (30 %)": _chain_of(rs.rank2_to_rank3(0.3)),
+    "favourite -10 %": _chain_of(rs.favourite_under(0.1)),
+    "stale context after a rejection (history)": _chain_of(stale=0.5),
+    "top-k 44 instead of 40 (5 % edge swaps)": _topk44,
+}
+
+
+def synthetic_power(runs: int, seed: int = 11) -> dict[str, dict[str, Any]]:
+    """Tokens to BROKEN for each synthetic bug class, by the three rules read at
+    `SYNTHETIC_LOOKS` on the same draws, over `runs` runs: the median (None when under half the
+    runs decided by the last look) and the share decided within `GOAL_TOKENS`."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for name, make in SYNTHETIC.items():
+        firsts: dict[str, list[float]] = {"today": [], "anytime": [], "first_gen": []}
+        for r in range(runs):
+            draws, edge = make(SYNTHETIC_LOOKS[-1], rng)
+            first: dict[str, float] = dict.fromkeys(firsts, math.inf)
+            for look in SYNTHETIC_LOOKS:
+                part = draws[:look]
+                if first["today"] == math.inf:
+                    st = analysis.analyse(part, alpha=ALPHA, seed=r, edge=edge)
+                    if st.verdict is Verdict.BROKEN:
+                        first["today"] = look
+                if first["anytime"] == math.inf:
+                    seq = analysis.analyse(part, alpha=ALPHA, seed=r, edge=edge, sequential=True)
+                    if seq.crossed_at is not None:
+                        first["anytime"] = seq.crossed_at
+                if first["first_gen"] == math.inf and first_generation(part, ALPHA, r)[0]:
+                    first["first_gen"] = look
+                if all(v < math.inf for v in first.values()):
+                    break
+            for k, v in first.items():
+                firsts[k].append(v)
+        out[name] = {
+            k: {
+                "median": None if math.isinf(m := float(np.median(v))) else m,
+                "within_goal": float(np.mean([x <= GOAL_TOKENS for x in v])),
+            }
+            for k, v in firsts.items()
+        }
+        log(f"synthetic {name}: {_synthetic_cell(out[name])}")
+    return out
+
+
+def _synthetic_cell(row: dict[str, Any]) -> str:
+    def one(k: str) -> str:
+        m = row[k]["median"]
+        median = f">{SYNTHETIC_LOOKS[-1]}" if m is None else f"{m:.0f}"
+        return f"{median} ({row[k]['within_goal']:.0%})"
+
+    return " / ".join(one(k) for k in ("today", "anytime", "first_gen"))
+
+
+def synthetic_table(syn: dict[str, dict[str, Any]], runs: int) -> str:
+    lines = [
+        f"Synthetic bug classes: median tokens to BROKEN (share of {runs} runs BROKEN within "
+        f"{GOAL_TOKENS} tokens = {GOAL_SAMPLES} Gemma samples), today fixed / today anytime / "
+        "first generation",
+        "",
+        "| bug class | tokens to BROKEN |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {_synthetic_cell(row)} |" for name, row in syn.items()]
+    return "\n".join(lines)
+
+
 # -- sampling in looks ----------------------------------------------------------------------
 
 
@@ -287,12 +382,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--null-runs", type=int, default=300, help="simulated exact-null runs")
     ap.add_argument("--null-tokens", type=int, default=1600, help="tokens per null run")
+    ap.add_argument("--null-seed", type=int, default=7, help="the exact null's random seed")
+    ap.add_argument(
+        "--synthetic-runs", type=int, default=20, help="simulated runs per synthetic bug class"
+    )
+    ap.add_argument(
+        "--simulated-only",
+        action="store_true",
+        help="the exact null and the synthetic bug classes alone (no server, no build)",
+    )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    null = exact_null(args.null_runs, args.null_tokens) if args.null_runs else {}
+    null = exact_null(args.null_runs, args.null_tokens, args.null_seed) if args.null_runs else {}
     if null:
         log(f"exact null: {args.null_runs} runs in {time.monotonic() - t0:.0f} s")
         print(null_table(null, args.null_runs, args.null_tokens))
+    t0 = time.monotonic()
+    syn = synthetic_power(args.synthetic_runs) if args.synthetic_runs else {}
+    if syn:
+        log(f"synthetic bug classes: {args.synthetic_runs} runs each in "
+            f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+        print(synthetic_table(syn, args.synthetic_runs))
+    if args.simulated_only:
+        if args.json:
+            args.json.write_text(json.dumps({"rows": [], "null": null, "synthetic": syn}, indent=2))
+        return verdict([], null, syn)
     # Ctrl-C stops at once, the servers with it (they die with their parent)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     mutants = [m for m in llama.available_mutants() if not _logprob_only(m)]
@@ -363,12 +477,14 @@ def main(argv: list[str] | None = None) -> int:
                     row["reference_died"] = str(ref.log_path)
             rows.append(row)
             if args.json:  # after every row: a cut-off run keeps what it measured
-                args.json.write_text(json.dumps({"rows": rows, "null": null}, indent=2))
+                args.json.write_text(
+                    json.dumps({"rows": rows, "null": null, "synthetic": syn}, indent=2)
+                )
             if "reference_died" in row:
                 break
     print(table(rows, args.max_samples))
     print(noisy_table(rows))
-    return verdict(rows, null)
+    return verdict(rows, null, syn)
 
 
 ARMS = ("fixture T=1", "fixture T=0.7", "gemma T=1", "gemma T=0.7")
@@ -450,11 +566,22 @@ def noisy_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdict(rows: list[dict[str, Any]], null: dict[str, dict[str, float]]) -> int:
+def verdict(
+    rows: list[dict[str, Any]],
+    null: dict[str, dict[str, float]],
+    syn: dict[str, dict[str, Any]] | None = None,
+) -> int:
     """Exit 1 when a control is BROKEN by today's fixed rule at its last look, a mutant is
-    neither BROKEN (fixed or anytime) within `GOAL_SAMPLES` on Gemma nor loud, or a
-    statistic's exact-null rate exceeds alpha (one-sided binomial p < 0.001)."""
+    neither BROKEN (fixed or anytime) within `GOAL_SAMPLES` on Gemma nor loud, a statistic's
+    exact-null rate exceeds alpha (one-sided binomial p < 0.001), or today's rules catch a
+    synthetic bug class within `GOAL_TOKENS` in fewer runs than the first generation did
+    (top-k 44 aside: the first generation called every token past the edge impossible, and so
+    every quantised control BROKEN too)."""
     bad = []
+    for name, row in (syn or {}).items():
+        today = max(row["today"]["within_goal"], row["anytime"]["within_goal"])
+        if not name.startswith("top-k") and today < row["first_gen"]["within_goal"]:
+            bad.append(f"synthetic {name}: today's rules weaker than the first generation's")
     for r in rows:
         arms = [r.get(a) for a in ARMS]
         if r["build"] in CONTROLS:

@@ -106,6 +106,14 @@ def acceptance(c: float) -> Bug:
     return bug
 
 
+def residual_target(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Speculative sampling whose residual after a rejection is drawn from p itself instead of
+    max(0, p - q) normalised (docs/mutants.md, residual-target): min(q, p) + (1 - sum min(q, p))
+    p. It acts only at rejected drafts, so its distance from p is the rejection rate's share."""
+    acc = np.minimum(q, p)
+    return _norm(acc + (1.0 - acc.sum(axis=-1, keepdims=True)) * p)
+
+
 BUGS: dict[str, Bug] = {
     "temperature 0.8": temperature(0.8),
     "rank 2 -> 3 (30 %)": rank2_to_rank3(0.3),
@@ -149,28 +157,47 @@ def chain(
     *,
     length: int = 8,
     with_draft: bool = False,
+    stale: float = 0.0,
 ) -> list[TokenDraw]:
     """n tokens in generations of `length`, each step's distribution a function of the token
     before it (a table of TOP_K distributions): the steps are dependent, as a real
     generation's are. `with_draft`: each record carries the draft's q, as a run with a draft
-    reference does."""
+    reference does. `stale`: a history-dependent bug: once a draft has been rejected in a
+    generation (each step with the rejection rate 1 - sum min(p, q) of its prefix), the
+    engine's next steps are tilted by exp(stale z), z a fixed normal vector of the token two
+    back, as an engine reading a stale context would: its direction changes with the history,
+    the support and the scale of the ratios stay (stale 0.5: total variation about 0.14)."""
     table = shape(rng, TOP_K)
     drafts = draft_of(table, rng)
     engine = bug(table, drafts)
     cum = np.cumsum(engine, axis=1)
+    reject = 1.0 - np.minimum(table, drafts).sum(axis=1)
+    # the bug's own draws come from a child stream: the tokens' stream stays the bug-free one
+    seq = rng.bit_generator.seed_seq
+    assert isinstance(seq, np.random.SeedSequence)
+    side = np.random.default_rng(seq.spawn(1)[0]) if stale else None
+    tilt = None if side is None else np.exp(stale * side.standard_normal((TOP_K, TOP_K)))
     favs = drafts.argmax(axis=1)
     out = []
-    prev = 0
+    prev = back = 0
+    rejected = False
     for i, u in enumerate(rng.random(n)):
         pos = i % length
         if pos == 0:
-            prev = int(u * TOP_K)
+            prev = back = int(u * TOP_K)
+            rejected = False
             u = rng.random()
-        tok = min(int((u * cum[prev, -1] >= cum[prev]).sum()), TOP_K - 1)
+        if rejected and tilt is not None:
+            row = np.cumsum(engine[prev] * tilt[back])
+            tok = min(int((u * row[-1] >= row).sum()), TOP_K - 1)
+        else:
+            tok = min(int((u * cum[prev, -1] >= cum[prev]).sum()), TOP_K - 1)
         key = f"{i // length}:{pos}"
         q = drafts[prev] if with_draft else None
         out.append(_record(i // length, key, pos, table[prev], tok, int(favs[prev]), q))
-        prev = tok
+        if side is not None and not rejected:
+            rejected = bool(side.random() < reject[prev])
+        back, prev = prev, tok
     return out
 
 
