@@ -18,7 +18,7 @@ from rich.console import Console
 from closed_form import draw
 from specaudit import distribution, fixtures, llama
 from specaudit.cli import common, dist_cmd
-from specaudit.distribution import coverage, runner
+from specaudit.distribution import coverage, runner, wording
 from specaudit.llama import presets
 from specaudit.llama.server import LlamaServer
 from specaudit.stats import Verdict
@@ -341,8 +341,40 @@ def test_rejected_and_the_paths_table() -> None:
         "x", Path("."), {}, wl, 0.01, 0.15, False, [e], not_covered=[("mtp", "needs MTP heads")]
     )
     md = distribution.paths_markdown(res)
-    assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 |" in md
+    assert "| x | greedy | PRESERVED | 10 | 7 | 3 | 4 | too rarely |" in md
     assert "- `mtp`: needs MTP heads" in md
+
+
+def test_a_preserved_path_whose_speculation_barely_ran_says_so_in_its_verdict() -> None:
+    """A PRESERVED over a handful of drafts says the outputs kept the distribution, not that
+    the path's accept and reject branches are right: the verdict's line says so, with the
+    counts; a path drafted and rejected hundreds of times does not."""
+    spec = fixtures.default_spec()
+    wl = distribution.make_workload(spec)
+    truth = distribution.Truth(spec, wl)
+    drawn = draw(truth, 400, np.random.default_rng(3))
+
+    def run(drafted: int, accepted: int) -> distribution.EngineResult:
+        samples = [distribution.Sample(s.seed, s.text, drafted, accepted) for s in drawn]
+        e = distribution.analyse(spec, wl, samples, engine="ngram-map-k", tolerance=0.9)
+        e.path = "ngram-map-k"
+        e.reason = wording.reason(e, wl, spec)
+        return e
+
+    # 400 samples and nothing drafted: as ngram-map-k on the fixture (3 drafted in 600 seeds)
+    barely = run(drafted=0, accepted=0)
+    assert barely.verdict is Verdict.PRESERVED
+    assert "too rarely to certify the path: 0 drafted, 0 accepted, 0 rejected" in barely.reason
+    assert coverage.exercised(barely) == "too rarely"
+    # 3 drafted, 2 accepted per sample: 1200 / 800 / 400
+    busy = run(drafted=3, accepted=2)
+    assert "too rarely" not in busy.reason and coverage.exercised(busy) == "yes"
+    # few accepted though many rejected: the accept branch barely ran
+    rejecting = run(drafted=3, accepted=0)
+    assert "1200 drafted, 0 accepted, 1200 rejected" in rejecting.reason
+    # the plain path has nothing to exercise
+    rejecting.path = "plain"
+    assert coverage.too_rarely(rejecting) is None and coverage.exercised(rejecting) == "-"
 
 
 def test_inconsistent_draft_counters_are_said_never_printed_as_a_negative_count() -> None:
@@ -359,7 +391,7 @@ def test_inconsistent_draft_counters_are_said_never_printed_as_a_negative_count(
     wl = distribution.make_workload(fixtures.default_spec())
     res = distribution.DistResult("x", Path("."), {}, wl, 0.01, 0.15, False, [e])
     md = distribution.paths_markdown(res)
-    assert "| x | draft | PRESERVED | 10 | 488 | 1509 | inconsistent |" in md
+    assert "| x | draft | PRESERVED | 10 | 488 | 1509 | inconsistent | - |" in md
     assert "-1021" not in md
 
 

@@ -256,7 +256,39 @@ def rejected(e: EngineResult) -> int | None:
     return e.drafted - e.accepted
 
 
-PATH_HEADERS = ("engine", "path", "verdict", "samples", "drafted", "accepted", "rejected")
+# Accepted and rejected draft tokens each, below which a speculating engine's verification ran
+# too rarely for its verdict to certify the path: a PRESERVED over 3 drafted tokens says the
+# outputs kept the distribution, not that the path's accept and reject branches are right.
+MIN_EXERCISED = 100
+
+
+def too_rarely(e: EngineResult) -> str | None:
+    """Why the engine's speculative machinery ran too rarely to certify its path (with its
+    counts), or None: exercised enough, not speculating (the plain path), or no counts."""
+    rej = rejected(e)
+    if e.path == "plain" or e.drafted is None or e.accepted is None or rej is None:
+        return None
+    if e.accepted >= MIN_EXERCISED and rej >= MIN_EXERCISED:
+        return None
+    return (
+        f"its speculation ran too rarely to certify the path: {e.drafted} drafted, "
+        f"{e.accepted} accepted, {rej} rejected (certifying a path takes at least "
+        f"{MIN_EXERCISED} accepted and {MIN_EXERCISED} rejected draft tokens)"
+    )
+
+
+def exercised(e: EngineResult) -> str:
+    """The paths table's cell: "yes", "too rarely", or "-" (nothing to exercise or count)."""
+    if too_rarely(e) is not None:
+        return "too rarely"
+    if e.path == "plain" or rejected(e) is None:
+        return "-"
+    return "yes"
+
+
+PATH_HEADERS = (
+    "engine", "path", "verdict", "samples", "drafted", "accepted", "rejected", "exercised",
+)  # fmt: skip
 
 
 def path_rows(res: DistResult) -> list[tuple[Any, ...]]:
@@ -264,7 +296,7 @@ def path_rows(res: DistResult) -> list[tuple[Any, ...]]:
     return [
         (
             e.engine, e.path or "-", e.verdict.value, e.n_samples, e.drafted, e.accepted,
-            rejected(e) if counts_consistent(e) else INCONSISTENT,
+            rejected(e) if counts_consistent(e) else INCONSISTENT, exercised(e),
         )
         for e in res.engines
     ]  # fmt: skip
@@ -297,6 +329,7 @@ __all__ = [
     "PATH_HELP",
     "REJECTION_PATHS",
     "SPEC_TYPES",
+    "MIN_EXERCISED",
     "check_paths",
     "coverage_rows",
     "kind_paths",
@@ -307,5 +340,7 @@ __all__ = [
     "paths_markdown",
     "rejected",
     "counts_consistent",
+    "exercised",
+    "too_rarely",
     "INCONSISTENT",
 ]

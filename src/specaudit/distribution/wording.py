@@ -6,6 +6,7 @@ Pure formatting of what `analysis.analyse` decided; no test is run here.
 from __future__ import annotations
 
 from specaudit import fixtures
+from specaudit.distribution.coverage import too_rarely
 from specaudit.distribution.render import fmt_gof_p, p_eq
 from specaudit.distribution.results import EngineResult, GenericPower, ImpossibleOutcome, Workload
 from specaudit.stats import GofResult, Verdict
@@ -56,6 +57,9 @@ def reason(result: EngineResult, workload: Workload, spec: fixtures.FixtureSpec)
             f"; the whole tested sequence (positions 1-{workload.positions}) has TV <= "
             f"{result.sequence_tv_bound:.3f} (one-sided, at {1 - result.alpha:.4g})"
         )
+    rare = too_rarely(result) if result.verdict is not Verdict.BROKEN else None
+    if rare is not None:
+        out += f"; but {rare}"
     return out
 
 
