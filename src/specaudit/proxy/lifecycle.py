@@ -64,6 +64,7 @@ class Proxy(ProxyState):
                     log.warning("%s backend %s: %s", b.role, b.url, b.warning)
             self._web = web = self.aiohttp_path.web_server()
             self.adopter = web
+            web.taker = self
             loop = asyncio.get_running_loop()
             try:
                 self._server = await loop.create_server(
@@ -98,6 +99,13 @@ class Proxy(ProxyState):
         except BaseException:
             await self.client.close()
             raise
+
+    def takes_back(self) -> bool:
+        """aiohttp's path may give a connection back to the core (not while stopping)."""
+        return not self.draining and self._server is not None
+
+    def take_back(self, transport: asyncio.Transport) -> None:
+        forwarding.Front(self).take_back(transport)
 
     async def check_backends(self) -> None:
         """Read both backends' roles now."""
