@@ -39,8 +39,9 @@ Load, for `--seconds`:
   `--pipeline-probs`): about 100 KB of answer for 200 bytes of request, so a proxy that keeps
   answering a client that reads nothing shows it in its memory;
 - `--idle` connections, opened before the load and held until it ends. Each first sends one
-  request and reads its answer, half ``GET /health`` (aiohttp's path keeps them), half a
-  one-token ``POST /completion`` (the forwarding core keeps them): a connection that has sent
+  request and reads its answer, half ``GET /health`` (answered by aiohttp's path, which gives
+  the connection back to the forwarding core afterwards; a proxy before that kept them on
+  aiohttp's path), half a one-token ``POST /completion`` (the core's): a connection that has sent
   nothing counts as a request being sent, which the proxy ends after --client-timeout (30 s)
   or pushes out beyond --max-incomplete-requests (256), so idle here means kept alive between
   requests.
@@ -313,7 +314,7 @@ def _raw_request(path: str, payload: bytes | None) -> bytes:
 
 
 # what idle connections send before they go idle: a /health check (answered by aiohttp's
-# path, which keeps the connection) or a one-token generation (the forwarding core's)
+# path, which gives the connection back to the core) or a one-token generation (the core's)
 IDLE_REQUESTS = [
     _raw_request("/health", None),
     _raw_request("/completion", json.dumps({"prompt": PROMPT, "n_predict": 1}).encode()),
