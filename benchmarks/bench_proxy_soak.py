@@ -3,7 +3,8 @@ thousands of idle connections. Does every request reach the right backend, does 
 pass as real, and does the proxy give its memory back?
 
     .venv/bin/python benchmarks/bench_proxy_soak.py [--seconds 60] [--clients 200]
-        [--idle 2000] [--fake-backends] [--rounds 1] [--proxy-src DIR] [--json]
+        [--idle 2000] [--fake-backends [--stall-checks]] [--rounds 1] [--proxy-src DIR]
+        [--json]
 
 It takes about 80 s per round plus the servers' start. `--proxy-src DIR` runs another
 checkout's proxy (for a before/after pair: ``git archive REV src | tar -x -C DIR``, then
@@ -19,7 +20,13 @@ benchmarks/bench_proxy.py's `proxy_process`), so the resident memory read from
 - with `--fake-backends`, two fake llama-servers (this script with `--serve-fake`, each its own
   process) that answer at once, to load the proxy rather than the model. The fake plain one
   puts a placeholder (logprob 0.0 and no candidates; streamed, no entry at all) at the first
-  token of every 4th logprobs answer, so the proxy's check has something to catch.
+  token of every 4th logprobs answer, so the proxy's check has something to catch. With
+  `--stall-checks`, the fake spec backend's ``/health`` hangs from a quarter to half of each
+  round's load (its generation endpoints still answer at once): a role check begun then
+  times out, as checks do on a machine too loaded to answer them in time, and spec counts as
+  down until the next check; the core hands the requests meant for spec to aiohttp's path
+  meanwhile, and ``/metrics`` says how many requests the core served after all and how many
+  connections came back to it.
 
 Load, for `--seconds`:
 - `--clients` concurrent clients, each sending one random request after another: chat,
@@ -32,8 +39,9 @@ Load, for `--seconds`:
   `--pipeline-probs`): about 100 KB of answer for 200 bytes of request, so a proxy that keeps
   answering a client that reads nothing shows it in its memory;
 - `--idle` connections, opened before the load and held until it ends. Each first sends one
-  request and reads its answer, half ``GET /health`` (aiohttp's path keeps them), half a
-  one-token ``POST /completion`` (the forwarding core keeps them): a connection that has sent
+  request and reads its answer, half ``GET /health`` (answered by aiohttp's path, which gives
+  the connection back to the forwarding core afterwards; a proxy before that kept them on
+  aiohttp's path), half a one-token ``POST /completion`` (the core's): a connection that has sent
   nothing counts as a request being sent, which the proxy ends after --client-timeout (30 s)
   or pushes out beyond --max-incomplete-requests (256), so idle here means kept alive between
   requests.
@@ -306,7 +314,7 @@ def _raw_request(path: str, payload: bytes | None) -> bytes:
 
 
 # what idle connections send before they go idle: a /health check (answered by aiohttp's
-# path, which keeps the connection) or a one-token generation (the forwarding core's)
+# path, which gives the connection back to the core) or a one-token generation (the core's)
 IDLE_REQUESTS = [
     _raw_request("/health", None),
     _raw_request("/completion", json.dumps({"prompt": PROMPT, "n_predict": 1}).encode()),
@@ -607,14 +615,33 @@ async def load_round(
             m = await asyncio.to_thread(proxy_metrics, url)
             core = _sum(m, "specaudit_proxy_fast_path_total").get('outcome="served"', 0)
             total = sum(_sum(m, "specaudit_proxy_requests_total").values())
+            spec_up = _sum(m, "specaudit_proxy_backend_up").get('backend="spec"', 0)
             log(
                 f"{time.monotonic() - t0:5.0f} s: {n} requests, {errs} errors, {wrong} wrong "
                 f"routes, proxy: {core:.0f} of {total:.0f} served by its core, "
+                f"spec {'up' if spec_up else 'down'}, "
                 f"RSS {rss_mb(pid) or float('nan'):.1f} MB, "
                 f"pipelined {held.pipelined_sent}"
             )
 
+    async def stall_checks(pid: int) -> None:
+        """Spec's /health hangs from a quarter to half of the load."""
+        await asyncio.sleep(args.seconds / 4)
+        os.kill(pid, signal.SIGUSR1)
+        log(f"{time.monotonic() - t0:5.0f} s: spec's /health stalls")
+        try:
+            await asyncio.sleep(args.seconds / 4)
+        finally:
+            os.kill(pid, signal.SIGUSR1)
+            log(f"{time.monotonic() - t0:5.0f} s: spec's /health answers again")
+
     ticker = asyncio.ensure_future(progress())
+    if args.stall_pid is not None:
+        stall_task: asyncio.Future[None] | None = asyncio.ensure_future(
+            stall_checks(args.stall_pid)
+        )
+    else:
+        stall_task = None
     try:
         _, pending = await asyncio.wait(clients, timeout=args.seconds + args.request_timeout + 30)
         for t in pending:
@@ -624,6 +651,9 @@ async def load_round(
         end_rss = rss_mb(pid) or float("nan")
     finally:
         ticker.cancel()
+        if stall_task is not None:
+            stall_task.cancel()
+            await asyncio.gather(stall_task, return_exceptions=True)
         stop.set()
         await asyncio.gather(idle_task, pipe_task, return_exceptions=True)
     t_end = time.monotonic()
@@ -679,6 +709,7 @@ def summarise(r: dict[str, Any], args: argparse.Namespace, load0: float) -> Soak
         "requests": sum(_sum(m, "specaudit_proxy_requests_total").values()),
         "errors": _sum(m, "specaudit_proxy_errors_total"),
         "fast_path": _sum(m, "specaudit_proxy_fast_path_total"),
+        "returned": m.get("specaudit_proxy_connections_returned_total", 0.0),
         "backend_up": _sum(m, "specaudit_proxy_backend_up"),
         "placeholders_caught": sum(_sum(m, "specaudit_proxy_placeholders_caught_total").values()),
     }
@@ -817,7 +848,8 @@ def render(res: SoakResult) -> None:
         ),
         (
             "proxy /metrics",
-            f"requests {res.proxy['requests']:.0f}; fast path {fast}; errors {perrs}",
+            f"requests {res.proxy['requests']:.0f}; fast path {fast}; connections returned "
+            f"to the core {res.proxy['returned']:.0f}; errors {perrs}",
         ),
     ]
     if len(res.rss_rounds_mb) > 1:
@@ -933,9 +965,12 @@ def serve_fake(role: str, port: int) -> None:
 
     by_path = {p: e for e, p in ENDPOINTS.items()}
     nth = itertools.count()
+    stalled = asyncio.Event()  # SIGUSR1 toggles it: /health hangs while it is set
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         if request.path == "/health":
+            if stalled.is_set():
+                await asyncio.sleep(3600)
             return web.json_response({"status": "ok"})
         if request.path == "/slots":
             return web.json_response([{"id": i, "speculative": role == "spec"} for i in range(4)])
@@ -959,6 +994,9 @@ def serve_fake(role: str, port: int) -> None:
     async def main() -> None:
         server = web.Server(handle, access_log=None)
         loop = asyncio.get_running_loop()
+        loop.add_signal_handler(
+            signal.SIGUSR1, lambda: stalled.clear() if stalled.is_set() else stalled.set()
+        )
         await loop.create_server(server, "127.0.0.1", port, backlog=1024)
         await asyncio.Event().wait()
 
@@ -974,15 +1012,16 @@ def fake_backend(role: str) -> Iterator[tuple[str, int]]:
 
 
 @contextmanager
-def backends(fake: bool, tmp: Path) -> Iterator[tuple[str, str]]:
-    """(plain URL, spec URL): fake llama-servers or the fixture's real ones."""
+def backends(fake: bool, tmp: Path) -> Iterator[tuple[str, str, int | None]]:
+    """(plain URL, spec URL, the fake spec's pid): fake llama-servers or the fixture's real
+    ones (no pid)."""
     if fake:
-        with fake_backend("plain") as (plain, _), fake_backend("spec") as (spec, _):
-            yield plain, spec
+        with fake_backend("plain") as (plain, _), fake_backend("spec") as (spec, spec_pid):
+            yield plain, spec, spec_pid
         return
     aliases = (ALIAS["plain"], ALIAS["spec"])
     with fixture_servers(tmp, aliases=aliases) as (plain_srv, spec_srv):
-        yield plain_srv.url, spec_srv.url
+        yield plain_srv.url, spec_srv.url, None
 
 
 def raise_nofile(need: int) -> int:
@@ -1006,6 +1045,12 @@ def main() -> None:
     ap.add_argument("--pipeline-tokens", type=int, default=128, help="n_predict, pipelined")
     ap.add_argument("--pipeline-probs", type=int, default=20, help="n_probs, pipelined")
     ap.add_argument("--fake-backends", action="store_true", help="fast fakes, not llama-server")
+    ap.add_argument(
+        "--stall-checks",
+        action="store_true",
+        help="with --fake-backends: spec's /health hangs for the second quarter of each "
+        "round's load, so a role check of the proxy times out",
+    )
     ap.add_argument("--request-timeout", type=float, default=120.0, help="per request, seconds")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before RSS 'after'")
     ap.add_argument("--rss-slack", type=float, default=20.0, help="MB allowed above idle")
@@ -1027,6 +1072,8 @@ def main() -> None:
     ap.add_argument("--serve-fake", choices=("plain", "spec"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stall_checks and not args.fake_backends:
+        ap.error("--stall-checks needs --fake-backends")
     if args.serve_fake:
         serve_fake(args.serve_fake, args.port)
         return
@@ -1045,7 +1092,8 @@ def main() -> None:
     )
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        plain, spec = stack.enter_context(backends(args.fake_backends, tmp))
+        plain, spec, spec_pid = stack.enter_context(backends(args.fake_backends, tmp))
+        args.stall_pid = spec_pid if args.stall_checks else None
         url, pid = stack.enter_context(proxy_process(plain, spec, src=args.proxy_src))
         rss = stack.enter_context(RssSampler(pid))
         with asyncio.Runner(loop_factory=new_loop) as runner:

@@ -181,6 +181,15 @@ class Front(asyncio.Protocol):
         else:
             self._idle = asyncio.get_running_loop().call_later(IDLE_KEEPALIVE, t.close)
 
+    def take_back(self, transport: asyncio.Transport) -> None:
+        """Serve a kept-alive connection aiohttp's path took (`hand_over`) and has answered
+        on, from its next request on: it is between requests, nothing of the next one read."""
+        self.transport = transport
+        self.px.fronts.add(self)
+        transport.set_protocol(self)
+        self.px.metrics.returned.inc()
+        self._idle = asyncio.get_running_loop().call_later(IDLE_KEEPALIVE, transport.close)
+
     def give_back(self, ex: Exchange, failed: tuple[str, str]) -> None:
         """The backend did not take the request (`failed`: its role, and why), and nothing of
         an answer was sent: aiohttp's path serves it (and the rest of the connection), with
@@ -201,8 +210,9 @@ class Front(asyncio.Protocol):
     def hand_over(
         self, expired: bool = False, evicted: bool = False, handover: Handover | None = None
     ) -> None:
-        """Give this connection to aiohttp's path for good, with the bytes read so far and
-        what the core knew of the request they begin (`handover`)."""
+        """Give this connection to aiohttp's path, with the bytes read so far and what the
+        core knew of the request they begin (`handover`); aiohttp's path gives it back
+        between requests (`take_back`)."""
         self._stop_timers()
         self.reader = None
         self.px.fronts.discard(self)

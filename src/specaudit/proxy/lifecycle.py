@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from specaudit import __version__
-from specaudit.proxy import forwarding
+from specaudit.proxy import forwarding, memory
 from specaudit.proxy.accounting import RequestRecord
 from specaudit.proxy.aio_client import BackendClient
 from specaudit.proxy.backends import PLAIN, SPEC, State
@@ -40,6 +40,7 @@ class Proxy(ProxyState):
         self.checker = Checker(self, self.client)
         self.aiohttp_path = AiohttpPath(self, self.client, self.checker)
         self._check_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self._web: WebServer | None = None
         self._server: asyncio.AbstractServer | None = None
         self._hurry: asyncio.Event | None = None
@@ -64,6 +65,7 @@ class Proxy(ProxyState):
                     log.warning("%s backend %s: %s", b.role, b.url, b.warning)
             self._web = web = self.aiohttp_path.web_server()
             self.adopter = web
+            web.taker = self
             loop = asyncio.get_running_loop()
             try:
                 self._server = await loop.create_server(
@@ -80,6 +82,7 @@ class Proxy(ProxyState):
             sock = self._server.sockets[0]
             self.port = int(sock.getsockname()[1])
             self._check_task = asyncio.create_task(self.checker.loop())
+            self._trim_task = asyncio.create_task(self._trim_loop())
             if not self.config.loopback:
                 log.warning(
                     "listening on %s: anyone who can reach it can use both backends",
@@ -98,6 +101,13 @@ class Proxy(ProxyState):
         except BaseException:
             await self.client.close()
             raise
+
+    def takes_back(self) -> bool:
+        """aiohttp's path may give a connection back to the core (not while stopping)."""
+        return not self.draining and self._server is not None
+
+    def take_back(self, transport: asyncio.Transport) -> None:
+        forwarding.Front(self).take_back(transport)
 
     async def check_backends(self) -> None:
         """Read both backends' roles now."""
@@ -134,11 +144,28 @@ class Proxy(ProxyState):
         self.pool.close()
 
     async def _stop_checks(self) -> None:
-        if self._check_task is not None:
-            self._check_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._check_task
-            self._check_task = None
+        for task in (self._check_task, self._trim_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._check_task = self._trim_task = None
+
+    async def _trim_loop(self) -> None:
+        """Now and then: close backend connections idle too long; once a burst of connections
+        or requests is over, give freed heap memory back to the system (`memory`)."""
+        watch = memory.BurstWatch(self._client_connections(), self.metrics.requests.total())
+        while True:
+            await asyncio.sleep(memory.INTERVAL)
+            self.pool.prune()
+            if watch.over(
+                self._client_connections(), self.metrics.requests.total(), len(self.inflight)
+            ):
+                memory.trim()
+
+    def _client_connections(self) -> int:
+        """Client connections open: the core's and aiohttp's path's."""
+        return len(self.fronts) + (len(self._web.connections) if self._web is not None else 0)
 
     def _close_idle(self) -> None:
         """Close the connections with no request being answered; a request begun but not yet

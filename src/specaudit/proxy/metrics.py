@@ -94,6 +94,12 @@ class Metrics:
             "counter",
             ("outcome",),
         )
+        self.returned = Family(
+            p + "connections_returned_total",
+            "Kept-alive client connections aiohttp's path gave back to the forwarding core "
+            "between requests.",
+            "counter",
+        )
         self.backend_up = Family(
             p + "backend_up",
             "1 when the backend answered its last check and may be used in its role.",
@@ -122,6 +128,7 @@ class Metrics:
             self.tokens_checked,
             self.retries,
             self.fast_path,
+            self.returned,
             self.backend_up,
             self.backend_speculating,
             self.in_flight,

@@ -56,6 +56,7 @@ class BackendPool:
         """A kept-alive connection to `role` still fresh enough to reuse, if there is one."""
         pool = self.idle[role]
         now = asyncio.get_running_loop().time()
+        self._prune(pool, now)
         while pool:
             up = pool.pop()
             if not up.lost and now - up.idle_since < POOL_IDLE:
@@ -66,8 +67,28 @@ class BackendPool:
     def put(self, role: str, up: Pooled) -> None:
         if up.transport is not None:
             up.transport.resume_reading()  # never pool a connection left paused
-        up.idle_since = asyncio.get_running_loop().time()
-        self.idle[role].append(up)
+        up.idle_since = now = asyncio.get_running_loop().time()
+        pool = self.idle[role]
+        self._prune(pool, now)
+        pool.append(up)
+
+    def prune(self) -> None:
+        """Close every connection idle too long (after a load, nothing else would)."""
+        now = asyncio.get_running_loop().time()
+        for pool in self.idle.values():
+            self._prune(pool, now)
+
+    @staticmethod
+    def _prune(pool: list[Pooled], now: float) -> None:
+        """Close the connections idle too long, oldest first. `get` takes the newest, so under
+        steady load the ones a burst left at the bottom would otherwise stay (closed by the
+        backend, their transports and parsers held) until the pool emptied."""
+        stale = 0
+        while stale < len(pool) and (pool[stale].lost or now - pool[stale].idle_since >= POOL_IDLE):
+            pool[stale].close()
+            stale += 1
+        if stale:
+            del pool[:stale]
 
     def close(self) -> None:
         """Close every idle connection (the proxy is stopping)."""

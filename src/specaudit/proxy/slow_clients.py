@@ -6,7 +6,10 @@ bytes and an ERROR with a traceback. `RequestHandler` adds the deadline for send
 (`state.ClientGuard`: 408) and a JSON 400 with one redacted log line; `WebServer` makes its
 connections use it. A handler also takes over connections the forwarding core gives up
 (`RequestHandler.adopt`), with the bytes read so far and what the core knew of the request
-(`state.Handover`).
+(`state.Handover`), and gives a kept-alive connection back to the core once it has answered
+and the client has sent nothing more (`RequestHandler.taker`): what sent one request here (a
+backend check that timed out, a ``GET /health``) must not keep the connection on the slower,
+larger path for good.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
+from typing import Any, Protocol
 
+import httptools
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -57,6 +61,45 @@ def raw_response(status: int, reason: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
+class Taker(Protocol):
+    """Who takes back a kept-alive connection between requests (the forwarding core)."""
+
+    def takes_back(self) -> bool: ...
+
+    def take_back(self, transport: asyncio.Transport) -> None: ...
+
+
+class Boundary:
+    """Whether the client's bytes so far end between two requests, by llhttp (the parser
+    aiohttp's own uses) reading them alongside: aiohttp's parser does not say whether it holds
+    the start of a pipelined request, and a connection holding one must not change hands."""
+
+    __slots__ = ("_p", "inside", "broken")
+
+    def __init__(self) -> None:
+        self._p = httptools.HttpRequestParser(self)
+        self.inside = False  # a request has begun and not ended
+        self.broken = False  # llhttp gave up on these bytes: never between requests again
+
+    def on_message_begin(self) -> None:
+        self.inside = True
+
+    def on_message_complete(self) -> None:
+        self.inside = False
+
+    def feed(self, data: bytes) -> None:
+        if self.broken or not data:
+            return
+        try:
+            self._p.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self.broken = True
+
+    @property
+    def between(self) -> bool:
+        return not (self.inside or self.broken)
+
+
 class RequestHandler(web.RequestHandler):
     """aiohttp's connection handler, with
 
@@ -76,12 +119,16 @@ class RequestHandler(web.RequestHandler):
     body_timeout: asyncio.Timeout | None = None  # BODY: the body read's timeout, while it runs
     payload: Any = None  # the last request's body stream (its unread rest is not a request)
     handover: Handover | None = None  # the core's plan for the connection's next request
+    taker: Taker | None = None  # takes the connection back between requests
+    boundary: Boundary | None = None
     _timer: asyncio.TimerHandle | None = None
 
     # the request's phases ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self.taker is not None:
+            self.boundary = Boundary()
         self._begin(got_bytes=False)
 
     def adopt(
@@ -107,6 +154,8 @@ class RequestHandler(web.RequestHandler):
             self.got_bytes, self.evicted = got_bytes or bool(data), evicted
             guard.replace(front, self)
             if data:
+                if self.boundary is not None:
+                    self.boundary.feed(data)
                 super().data_received(data)
             # aiohttp sees the parsed headers in its task, which runs before this timer even
             # when the deadline has passed: complete headers then go on to the body's deadline
@@ -125,6 +174,8 @@ class RequestHandler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if data:
+            if self.boundary is not None:
+                self.boundary.feed(data)
             if self.phase == IDLE and (self.payload is None or self.payload.is_eof()):
                 self._begin(got_bytes=True)
             elif self.phase == HEADERS:
@@ -181,6 +232,57 @@ class RequestHandler(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._idle()
+            task = asyncio.current_task()
+            if self.taker is not None and task is not None:
+                # runs after aiohttp's connection task, woken by the same task's end, has
+                # gone back to waiting for the next request (its callback came first)
+                task.add_done_callback(self._hand_back)
+
+    def _hand_back(self, _: object) -> None:
+        """Give the connection back to the forwarding core if it is between requests: the
+        answer is out, keep-alive, nothing of a next request read, nothing paused."""
+        t, taker, waiter = self.transport, self.taker, self._waiter
+        if (
+            t is None
+            or taker is None
+            or waiter is None  # aiohttp is still busy with the last request (lingering)
+            or waiter.done()
+            or t.is_closing()
+            or self._force_close
+            or self._close
+            or not self._keepalive
+            or self._messages
+            or self.phase != IDLE
+            or self.payload is not None
+            or self._upgraded
+            or self._payload_parser is not None
+            or self._paused
+            or self._reading_paused
+            or self._buffer_paused
+            or self.boundary is None
+            or not self.boundary.between
+            or not taker.takes_back()
+        ):
+            return
+        # detach as aiohttp's `connection_lost` does, but leave the transport open
+        self._cancel_timer()
+        if self.guard is not None:
+            self.guard.end(self)
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        manager = self._manager
+        self.transport = None
+        self._force_close = True
+        waiter.cancel()  # aiohttp's connection task ends, as for an idle connection it closes
+        if manager is not None:
+            manager.connection_lost(self, None)
+        self._manager = None
+        self._request_handler = None
+        self._request_factory = None
+        self._parser = None
+        self.phase = CLOSING
+        taker.take_back(t)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._idle()
@@ -251,6 +353,8 @@ def conn_of(request: web.BaseRequest) -> RequestHandler | None:
 class WebServer(web.Server):
     """`web.Server` whose connections use `RequestHandler`."""
 
+    taker: Taker | None = None  # set by the proxy: who takes connections back between requests
+
     def __init__(
         self, handler: Any, *, on_bad_http: Any, guard: ClientGuard | None, **kwargs: Any
     ) -> None:
@@ -267,6 +371,7 @@ class WebServer(web.Server):
         h = RequestHandler(self, loop=asyncio.get_running_loop(), **self._handler_kwargs)
         h.on_bad_http = self._on_bad_http
         h.guard = self._guard
+        h.taker = self.taker
         return h
 
     def _request(
