@@ -124,7 +124,7 @@ def example_pairs(
 
 # The probabilistic replay's fault shows only in rounds verified after a replay (position 4 on,
 # so 8 tokens) and is small (prefix-averaged TV ~0.02 at position 4), so 15000 seeds: stock
-# BROKEN there in every run so far, the fix PRESERVED (docs/dist.md, "The replay fixture").
+# BROKEN, the fix PRESERVED, with the same counts in every run measured (docs/replay-fix.md).
 REPLAY_SEEDS = range(1, 15001)
 REPLAY_TOKENS = 8
 REPLAY_PATH = "replay-rejection"
