@@ -81,11 +81,11 @@ def fixture_set(audit_ctx: audit.AuditContext) -> fixtures.FixtureSet:
 
 
 @pytest.fixture(scope="session")
-def replay_fixture(tmp_path_factory: pytest.TempPathFactory) -> fixtures.FixtureSet:
+def replay_fixture(audit_ctx: audit.AuditContext) -> fixtures.FixtureSet:
     """The replay fixture (`fixtures.replay_spec`: the last-token fixture with a Mamba target,
-    whose rejected drafts llama-server undoes by a checkpoint restore and replay), built once
-    for the session."""
-    return fixtures.build(tmp_path_factory.mktemp("replay"), kind="replay")
+    whose rejected drafts llama-server undoes by a checkpoint restore and replay): the audit
+    context's, built once for the session."""
+    return audit_ctx.replay_fixture
 
 
 @pytest.fixture(scope="session")

@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from shared_servers import SharedServers
-from specaudit import distribution, fixtures, llama
+from specaudit import audit, distribution, fixtures
+from specaudit.audit.sections import patched
 from specaudit.llama.build import LlamaBinaries
-from specaudit.llama.patches import resolve
 from specaudit.stats import Verdict
 
 SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
-
-
-def _progress(pct: float, msg: str) -> None:
-    print(f"[specaudit] building the replay fix: {pct:3.0f}% {msg[-60:]}", file=sys.stderr)
 
 
 RESTORE = re.compile(r"accepted +(\d+)/ *(\d+) draft tokens \(restore checkpoint\)")
@@ -129,30 +125,36 @@ def test_dist_on_the_replay_paths_at_four_tokens(
 
 # Where the probabilistic replay shows: rounds verified after a replay, from position 4 on (8
 # tokens), at a deviation (prefix-averaged TV ~0.02 at position 4, by a simulation of the
-# mechanism below) that needs about 15000 samples for the fixed test's power.
-REWIND_SEEDS = 15000
-REWIND_TOKENS = 8
-# The one-line fix: `common_sampler_copy` (used only by that restore) leaves the stream alone.
-KEEP_STREAM = Path(__file__).resolve().parents[1] / "data" / "patches" / "replay-rng.patch"
+# mechanism) that needs about 15000 samples for the fixed test's power: the audit's own runs
+# (`patched.replay_run`: `patched.REPLAY_TOKENS` tokens, `patched.REPLAY_SEEDS`), stock and
+# with the bundled `replay-fix` patch (docs/replay-fix.md).
 
 
-def _rewind_run(
-    bins: LlamaBinaries, fs: fixtures.FixtureSet, work_dir: Path
-) -> tuple[distribution.EngineResult, list[str]]:
-    """replay-rejection at `REWIND_TOKENS` tokens on seeds 1..`REWIND_SEEDS`: the result and
-    the tests that reject."""
-    req = distribution.make_request(
-        ("server",), fixture=fs, binaries=bins, work_dir=work_dir, seeds=REWIND_SEEDS,
-        tokens=REWIND_TOKENS, paths=["replay-rejection"],
-    )  # fmt: skip
-    (e,) = distribution.run(req).engines
-    print(f"\n{e.engine}, {REWIND_TOKENS} tokens, seeds 1..{REWIND_SEEDS}: {e.verdict.value}, "
-          f"{e.drafted} drafted, {e.accepted} accepted; {e.reason}")  # fmt: skip
-    return e, [t.name for t in e.tests if t.p_holm < req.alpha]
+def _run(ctx: audit.AuditContext, variant: str) -> distribution.EngineResult:
+    e = patched.replay_run(ctx, variant)
+    print(f"\n{variant} {e.path}, {patched.REPLAY_TOKENS} tokens, seeds {e.first_seed}.."
+          f"{e.last_seed}: {e.verdict.value}, {e.drafted} drafted, {e.accepted} accepted, "
+          f"{e.seconds:.0f} s; {e.reason}")  # fmt: skip
+    return e
+
+
+# one run per fixture, so each counts against the timeout of the first test that uses it
+@pytest.fixture(scope="module")
+def stock_rewind(audit_ctx: audit.AuditContext) -> distribution.EngineResult:
+    return _run(audit_ctx, "stock")
+
+
+@pytest.fixture(scope="module")
+def fixed_rewind(audit_ctx: audit.AuditContext) -> distribution.EngineResult:
+    return _run(audit_ctx, patched.REPLAY_FIX)
+
+
+def _rejecting(e: distribution.EngineResult) -> set[str]:
+    return {t.name for t in e.tests if t.rejected}
 
 
 def test_probabilistic_replay_reuses_the_rejection_samplers_draws(
-    llama_bins: LlamaBinaries, replay_fixture: fixtures.FixtureSet, tmp_path: Path
+    stock_rewind: distribution.EngineResult,
 ) -> None:
     """A b11434 finding. The checkpoint restore copies the sampler saved before verifying back
     whole (`common_sampler_copy`), the rejection sampler's own stream (`gsmpl->rng`)
@@ -160,18 +162,38 @@ def test_probabilistic_replay_reuses_the_rejection_samplers_draws(
     the uniforms that decided the replayed tokens, so its accept/reject decisions depend on
     the history they made. Positions 1-3 (before any post-replay verification) keep the
     closed form; later positions do not."""
-    e, rejecting = _rewind_run(llama_bins, replay_fixture, tmp_path)
+    e = stock_rewind
+    assert (e.n_samples, patched.REPLAY_TOKENS) == (len(patched.REPLAY_SEEDS), 8)
     assert e.verdict is Verdict.BROKEN, e.reason
-    assert "position 4" in rejecting
-    assert not {"position 1", "position 2", "position 3", "joint 1-3"} & set(rejecting)
+    assert "position 4" in _rejecting(e)
+    assert not {"position 1", "position 2", "position 3", "joint 1-3"} & _rejecting(e)
 
 
 def test_keeping_the_rejection_stream_across_the_restore_preserves_the_distribution(
-    replay_fixture: fixtures.FixtureSet, tmp_path: Path
+    fixed_rewind: distribution.EngineResult,
 ) -> None:
-    """The same run with the one-line fix (`KEEP_STREAM`): PRESERVED, as the llama target's
-    rejection path (no replay) is on this workload."""
-    bins = llama.ensure(patches=(resolve(str(KEEP_STREAM)),), progress=_progress)
-    e, rejecting = _rewind_run(bins, replay_fixture, tmp_path)
+    """The same run on the `replay-fix` build (`common_sampler_copy` leaves the stream
+    alone): PRESERVED with no test rejecting, as the llama target's rejection path (no
+    replay) is on this workload; and the replay still ran (drafts accepted and rejected)."""
+    e = fixed_rewind
     assert e.verdict is Verdict.PRESERVED, e.reason
-    assert not rejecting
+    assert not _rejecting(e)
+    assert e.drafted is not None and e.accepted is not None
+    assert 0 < e.accepted < e.drafted
+
+
+def test_the_audit_section_shows_stock_broken_and_the_fix_preserved(
+    audit_ctx: audit.AuditContext,
+    stock_rewind: distribution.EngineResult,
+    fixed_rewind: distribution.EngineResult,
+) -> None:
+    """The audit's pair (`patched.replay_pair` runs exactly these two) rendered."""
+    pair = patched.ReplayPair(
+        audit_ctx.replay_fixture.spec.name, patched.REPLAY_TOKENS, stock_rewind, fixed_rewind
+    )
+    assert pair.proven
+    sec = patched.replay_section(audit_ctx, pair)
+    assert sec.key == "replay" and sec.status == "ok", sec.summary
+    assert sec.summary == "replay-rejection, 8 tokens, 15000 seeds: BROKEN -> PRESERVED"
+    assert "| stock | BROKEN (15000 seeds" in sec.markdown
+    assert "| replay-fix | PRESERVED (15000 seeds" in sec.markdown

@@ -61,6 +61,7 @@ class AuditContext:
         self._fixture: FixtureSet | None = None
         self._context_fixture: FixtureSet | None = None
         self._mtp_fixture: FixtureSet | None = None
+        self._replay_fixture: FixtureSet | None = None
         self._gemma: Path | None = None
         self.log_dir = out_dir / "logs"
 
@@ -69,8 +70,10 @@ class AuditContext:
     def binaries(self, variant: str = "stock") -> LlamaBinaries:
         if variant not in self._bins:
             patches = (presets.PATCH,) if variant == "patched" else ()
-            if variant == presets.SPECULATIVE_FIX or variant.startswith("mutants/"):
-                patches = (variant,)  # the example's fix, or a bundled mutant
+            if variant in (presets.SPECULATIVE_FIX, presets.REPLAY_FIX) or variant.startswith(
+                "mutants/"
+            ):
+                patches = (variant,)  # a fix on its own, or a bundled mutant
             self.progress(f"llama.cpp b{self.build} {variant}")
             self._bins[variant] = self._ensure_bins(self.build, resolve_all(patches, self.build))
         return self._bins[variant]
@@ -114,6 +117,17 @@ class AuditContext:
         return self._mtp_fixture
 
     @property
+    def replay_fixture(self) -> FixtureSet:
+        """The replay-kind fixture set (`fixtures.replay_spec`: a Mamba target, whose rejected
+        drafts llama-server undoes by a checkpoint restore and replay), built once."""
+        if self._replay_fixture is None:
+            from specaudit import fixtures
+
+            self.progress("building the replay fixture")
+            self._replay_fixture = fixtures.build(self.out_dir / "fixtures-replay", kind="replay")
+        return self._replay_fixture
+
+    @property
     def gemma(self) -> Path:
         if self._gemma is None:
             from specaudit.models import gemma_270m
@@ -129,6 +143,8 @@ class AuditContext:
             return self.context_fixture
         if model == "fixture-mtp":
             return self.mtp_fixture
+        if model == "fixture-replay":
+            return self.replay_fixture
         return None
 
     def model_path(self, model: str) -> Path:

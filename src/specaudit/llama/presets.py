@@ -24,6 +24,7 @@ MODELS = (
 )  # fmt: skip
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
+REPLAY_FIX = "replay-fix"  # the bundled fix of the checkpoint replay's rewound rejection stream
 DEFAULT_SPEC_TYPE = "draft-simple"
 # llama.cpp's --spec-draft-sampling: greedy (its default; sample-and-match), probabilistic
 # (the draft samples and reports q; the target verifies by rejection sampling, temperature > 0)

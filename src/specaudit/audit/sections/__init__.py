@@ -14,6 +14,7 @@ from specaudit.audit.sections import (
     model,
     patched,
     proxy,
+    replay,
     servers,
     speculative,
 )
@@ -30,6 +31,7 @@ SECTIONS: tuple[tuple[str, SectionFn], ...] = (
     ("patched", patched.section),
     ("model", model.section),
     ("speculative", speculative.section),
+    ("replay", replay.section),
 )
 
 __all__ = ["SECTIONS", "SectionFn"]

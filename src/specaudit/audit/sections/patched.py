@@ -4,9 +4,11 @@ instruments.
 The `spec-logprobs` patch (src/specaudit/patches/llama.cpp/b11434/, explained in
 docs/spec-logprobs-patch.md) makes a speculating llama-server report the target's real
 probabilities for every token; the `speculative-fix` patch (docs/llama-speculative-fix.md)
-makes llama.cpp's llama-speculative example keep the target distribution. A fix is only as
-good as its proof, so this section runs the same `check`, `ab` and `dist` measurements that
-find each fault on the stock binary against the patched one, side by side.
+makes llama.cpp's llama-speculative example keep the target distribution; the `replay-fix`
+patch (docs/replay-fix.md) makes llama-server's probabilistic checkpoint replay draw fresh
+uniforms after a restore. A fix is only as good as its proof, so this section runs the same
+`check`, `ab` and `dist` measurements that find each fault on the stock binary against the
+patched one, side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from specaudit import ab, check, distribution, llama
 from specaudit.audit.context import AuditContext, Section
-from specaudit.llama.presets import PATCH, SPECULATIVE_FIX
+from specaudit.llama.presets import PATCH, REPLAY_FIX, SPECULATIVE_FIX
 from specaudit.outcome import Outcome
 from specaudit.report import md_table, to_jsonable
 from specaudit.stats import Verdict
@@ -118,6 +120,64 @@ def example_pairs(
                 res.append(eng)
             out.append(ExamplePair(fs.spec.name, kind, req.workload.prompt, res[0], res[1]))
     return out
+
+
+# The probabilistic replay's fault shows only in rounds verified after a replay (position 4 on,
+# so 8 tokens) and is small (prefix-averaged TV ~0.02 at position 4), so 15000 seeds: stock
+# BROKEN, the fix PRESERVED, with the same counts in every run measured (docs/replay-fix.md).
+REPLAY_SEEDS = range(1, 15001)
+REPLAY_TOKENS = 8
+REPLAY_PATH = "replay-rejection"
+
+
+@dataclass
+class ReplayPair:
+    """llama-server's probabilistic checkpoint replay (`replay-rejection` on the replay
+    fixture), stock and with the `replay-fix` patch, on the same seeds and tokens."""
+
+    fixture: str  # the fixture's name
+    tokens: int
+    stock: distribution.EngineResult
+    fixed: distribution.EngineResult
+
+    @property
+    def proven(self) -> bool:
+        """The fault shown on stock and gone with the fix."""
+        return self.stock.verdict is Verdict.BROKEN and self.fixed.verdict is Verdict.PRESERVED
+
+
+def replay_run(
+    ctx: AuditContext, variant: str, *, seeds: range = REPLAY_SEEDS, tokens: int = REPLAY_TOKENS
+) -> distribution.EngineResult:
+    """`dist` of the `replay-rejection` path on the replay fixture with the binaries of
+    `variant` ("stock" or `REPLAY_FIX`)."""
+    if seeds.step != 1:
+        raise ValueError(f"seeds must be consecutive, got {seeds}")
+    fs = ctx.replay_fixture
+    req = distribution.make_request(
+        ("server",), fixture=fs, binaries=ctx.binaries(variant), seeds=len(seeds),
+        seed_start=seeds.start, tokens=tokens, paths=[REPLAY_PATH],
+    )  # fmt: skip
+    ctx.progress(f"patched: dist {REPLAY_PATH} on {fs.spec.name}, {variant} llama-server")
+    (eng,) = distribution.run(req).engines
+    return eng
+
+
+def replay_pair(
+    ctx: AuditContext, *, seeds: range = REPLAY_SEEDS, tokens: int = REPLAY_TOKENS
+) -> ReplayPair | None:
+    """`replay_run` on stock and on the `replay-fix` build, same seeds and tokens; None when
+    the build has no `replay-fix` patch."""
+    if REPLAY_FIX not in llama.available_patches(ctx.build):
+        return None
+    stock, fixed = (replay_run(ctx, v, seeds=seeds, tokens=tokens) for v in ("stock", REPLAY_FIX))
+    return ReplayPair(ctx.replay_fixture.spec.name, tokens, stock, fixed)
+
+
+def _rejecting(e: distribution.EngineResult) -> str:
+    """The tests that reject, with their Holm p-values; "none" if none does."""
+    names = [f"{t.name} ({t.p_holm:.2g})" for t in e.tests if t.rejected]
+    return ", ".join(names) or "none"
 
 
 def _example_cell(e: distribution.EngineResult) -> str:
@@ -272,4 +332,48 @@ def fix_section(ctx: AuditContext, examples: list[ExamplePair]) -> Section:
         plots=[],
         status=Outcome.OK if ok else Outcome.FINDING,
         summary=summary or f"no {SPECULATIVE_FIX} patch for b{ctx.build}",
+    )
+
+
+def replay_section(ctx: AuditContext, pair: ReplayPair | None) -> Section:
+    """The replay-fix section from a measured pair (see `replay_pair`)."""
+    md = [
+        f"`{REPLAY_FIX}` against b{ctx.build}: `dist` of llama-server's probabilistic checkpoint "
+        f"replay (`{REPLAY_PATH}`: `--spec-draft-sampling probabilistic` on the replay fixture's "
+        "Mamba target), stock and fixed. Stock reuses the rejection sampler's draws after a "
+        "restore, so the rounds verified after a replay leave the target distribution.",
+        "",
+    ]
+    if pair is None:
+        md.append(f"No `{REPLAY_FIX}` patch for b{ctx.build}: not measured.")
+        ok, summary = True, f"no {REPLAY_FIX} patch for b{ctx.build}"
+    else:
+        rows = []
+        for name, e in (("stock", pair.stock), (REPLAY_FIX, pair.fixed)):
+            rows.append(
+                (
+                    name,
+                    _example_cell(e),
+                    f"{e.drafted} / {e.accepted}",
+                    _rejecting(e),
+                )
+            )
+        md.append(f"{pair.fixture}, {pair.tokens} tokens per sample:")
+        md.append("")
+        md.append(
+            md_table(["llama-server", "verdict", "drafted / accepted", "rejecting tests"], rows)
+        )
+        ok = pair.fixed.verdict is Verdict.PRESERVED
+        summary = (
+            f"{REPLAY_PATH}, {pair.tokens} tokens, {pair.fixed.n_samples} seeds: "
+            f"{pair.stock.verdict.value} -> {pair.fixed.verdict.value}"
+        )
+    return Section(
+        key="replay",
+        title=f"The checkpoint replay fix: stock vs fixed ({REPLAY_FIX}) llama-server",
+        markdown="\n".join(md),
+        data={"pair": to_jsonable(pair)},
+        plots=[],
+        status=Outcome.OK if ok else Outcome.FINDING,
+        summary=summary,
     )
