@@ -16,9 +16,14 @@ import pytest
 
 from shared_servers import SharedServers
 from specaudit import check, llama
-from specaudit.check.with_reference import FidelityCheckError
+from specaudit.check import fidelity_probe
+from specaudit.check.with_reference import SAMPLER_TOP_K, FidelityCheckError
+from specaudit.client import Client
+from specaudit.fixtures import SamplerSettings
 from specaudit.llama.patches import resolve
+from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
+from specaudit.reference import ServerReference, reference_server
 
 FIXTURE: dict[str, Any] = {
     "prompt": "bcdbc",
@@ -90,3 +95,58 @@ def test_gemma_patched_is_correct_and_a_logprob_mutant_is_wrong(
 def test_a_reference_of_another_model_is_refused(server: Callable[..., Any]) -> None:
     with pytest.raises(FidelityCheckError, match="same model"):
         _check(server("gemma-spec-patched").url, server("fixture-plain").url, GEMMA)
+
+
+# Supplementary-plane CJK: Gemma's vocabulary has no token for most of these characters, so
+# Gemma writes them as four byte tokens, and the first three end inside the character.
+SPLIT: dict[str, Any] = {
+    "prompt": "𠀀𠀁𠀂𠀃𠀄𠀅𠀆𠀇𠀈𠀉",
+    "tokens": 12,
+    "top_k": 5,
+    "temperature": 0.7,
+    "seed": 1,
+}
+
+
+def test_stock_gemma_tokens_split_inside_a_character_are_aligned(gemma_path: Path) -> None:
+    """A stock llama-server writes no probability entry for a token that ends inside a UTF-8
+    character: with the entries placed at their token ids, every entry is real and correct at
+    its own prefix and every held-back token is missing, on both non-streamed kinds; streamed,
+    the tokens the stream never sent are missing too."""
+    stock = llama.ensure()
+    with (
+        LlamaServer(stock, gemma_path, parallel=1, ctx_size=4096) as eng,
+        reference_server(gemma_path, parallel=4, ctx_size=4096) as ref,
+    ):
+        # what the server returns for the probes' own request: more token ids than entries
+        sampler = SamplerSettings(
+            top_k=SAMPLER_TOP_K, top_p=1.0, min_p=0.0, temperature=SPLIT["temperature"]
+        )
+        ids = ServerReference(ref.url, sampler).tokenize(SPLIT["prompt"])
+        held: dict[bool, int] = {}
+        entries: dict[bool, int] = {}
+        with Client(eng.url) as c:
+            for post in (False, True):
+                kind = fidelity_probe.ProbeKind("completion", post)
+                body = fidelity_probe.request_body(
+                    kind, ids, sampler.request_fields(), SPLIT["seed"], SPLIT["tokens"],
+                    SPLIT["top_k"],
+                )  # fmt: skip
+                got = c.post("/completion", body)
+                entries[post] = len(got["completion_probabilities"])
+                held[post] = len(got["tokens"]) - entries[post]
+        assert held[False] > 0 and held[True] > 0, (held, entries)
+
+        res = _check(eng.url, ref.url, SPLIT)
+    f = res.fidelity
+    assert f is not None
+    for post in (False, True):
+        k = f.by_kind[fidelity_probe.ProbeKind("completion", post).label]
+        assert (k.real_correct, k.missing) == (entries[post], held[post]), (f.by_kind, f.worst)
+        assert k.real_wrong == k.placeholder == 0
+    for post in (False, True):
+        k = f.by_kind[fidelity_probe.ProbeKind("completion", post, stream=True).label]
+        assert k.real_wrong == k.placeholder == 0 and k.missing == held[post], f.by_kind
+    assert f.counts.real_wrong == 0 and f.counts.real_correct + f.uncompared == 2 * (
+        entries[False] + entries[True]
+    )

@@ -55,6 +55,7 @@ class FidelitySummary:
     drafted: int
     accepted: int
     worst: list[str] = field(default_factory=list)  # up to 5 "kind token i: what" lines
+    uncompared: int = 0  # tokens after an unsent one (`fidelity.FidelityResult.uncompared`)
 
     @property
     def wrong(self) -> int:
@@ -186,7 +187,7 @@ def run(
         res = fidelity_probe.probe_server(
             url, prompt=ids, prompt_ids=ids, reference=ref, tol=fidelity.tolerance(floor),
             sampling=sampling, seeds=[seed], tokens=tokens, n_probs=top_k, kinds=KINDS,
-            timeout=timeout,
+            pieces=ref.pieces, timeout=timeout,
         )  # fmt: skip
         res, floor = confirm_wrong(res, reference, ref, ids, sampler, floor, timeout=timeout)
         tol = fidelity.tolerance(floor)
@@ -200,7 +201,7 @@ def run(
     return FidelitySummary(
         reference=reference, counts=res.counts, by_kind=res.counts_by_kind(),
         tolerance_prob=tol.prob, tolerance_logprob=tol.logprob, drafted=drafted,
-        accepted=accepted, worst=worst,
+        accepted=accepted, worst=worst, uncompared=res.uncompared,
     )  # fmt: skip
 
 
