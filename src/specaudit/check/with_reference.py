@@ -19,6 +19,7 @@ from specaudit.check import fidelity, fidelity_probe
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
+from specaudit.logprobs import utf8_complete
 from specaudit.reference import (
     NextToken,
     ServerReference,
@@ -101,12 +102,21 @@ def measure_floor(
     tokens: int,
     timeout: float = 120.0,
 ) -> fidelity.NoiseFloor:
-    """The reference's own spread (`prefix_answers`) for the prompt and for prefixes along one
-    of its own samples."""
+    """The reference's own spread (`prefix_answers`) for about four prefixes along one of its
+    own samples, the prompt first.
+
+    Only prefixes after which the sample's next token is whole UTF-8 by itself: before a token
+    that starts a character it splits into bytes (supplementary-plane CJK on Gemma 3), nearly
+    every draw is held back and the reference has no probabilities to give
+    (`specaudit.reference.held_back`)."""
     body = {**completion_body(ids, sampler, 1), "n_predict": tokens, "return_tokens": True}
     with Client(reference, timeout=timeout) as c:
         gen = [int(t) for t in c.post("/completion", body).get("tokens", [])]
-    prefixes = [list(ids) + gen[:j] for j in range(0, len(gen) + 1, max(1, len(gen) // 3))]
+    pieces = ref.pieces(gen) if gen else {}
+    cuts = [j for j, t in enumerate(gen) if utf8_complete(pieces[t])]
+    if len(cuts) == len(gen):
+        cuts.append(len(gen))  # no split character in the sample: its end as well
+    prefixes = [list(ids) + gen[:j] for j in (cuts or [0])[:: max(1, len(gen) // 3)]]
     return fidelity.noise_floor(
         prefix_answers(reference, ref, p, sampler, timeout=timeout) for p in prefixes
     )
