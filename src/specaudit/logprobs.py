@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+from specaudit.errors import SpecauditError
 
 JSON = dict[str, Any]
 
@@ -204,11 +206,35 @@ def _native_event(ev: JSON, requested: int, start: int) -> list[TokenRecord]:
     ]
 
 
-def from_stream(endpoint: str, events: Iterable[JSON], requested: int) -> list[TokenRecord]:
-    """Token records of a streamed response; a token sent without probabilities is missing."""
+def _unsent(ev: JSON, records: int, requested: int) -> list[TokenRecord]:
+    """Missing records (ids unknown) for the tokens a native stream chunk's
+    ``tokens_predicted`` counts beyond the `records` already read and the chunk's own."""
+    done = ev.get("tokens_predicted")
+    if not isinstance(done, int) or isinstance(done, bool):
+        return []
+    entries = ev.get("completion_probabilities")
+    own = (
+        len(_native_event(ev, requested, 0))
+        if (entries or ev.get("content") or ev.get("tokens"))
+        else 0
+    )
+    return [_missing(records + j, "", None, requested) for j in range(done - own - records)]
+
+
+def from_stream(
+    endpoint: str, events: Iterable[JSON], requested: int, *, unsent: bool = False
+) -> list[TokenRecord]:
+    """Token records of a streamed response; a token sent without probabilities is missing.
+
+    ``unsent=True`` (native ``/completion``): also a missing record, id unknown, for each token
+    the server generated but never sent. Why: a streaming llama-server sends no chunk for a
+    token held back inside a UTF-8 character (`held_back`); the chunk completing the character
+    names only its own token, but every chunk's ``tokens_predicted`` counts them all."""
     out: list[TokenRecord] = []
     for ev in events:
         if endpoint == "completion":
+            if unsent:
+                out += _unsent(ev, len(out), requested)
             out += _native_event(ev, requested, start=len(out))
             continue
         choices = ev.get("choices") or []
@@ -236,6 +262,145 @@ def from_stream(endpoint: str, events: Iterable[JSON], requested: int) -> list[T
         if text:
             out.append(_missing(len(out), str(text), None, requested))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# alignment with the response's token ids
+
+
+class AlignmentError(SpecauditError):
+    """The probability entries cannot be matched to the response's token ids (one line,
+    exit 2): an entry names a token the response did not generate there, or two placements
+    explain the entries equally well."""
+
+
+def utf8_complete(text: bytes) -> bool:
+    """Whether `text` ends on a whole UTF-8 character, by llama-server's rule
+    (``validate_utf8``: a lead byte in the last four bytes that announces more bytes than
+    follow it makes the text incomplete; anything else, invalid sequences included, is
+    complete)."""
+    n = len(text)
+    for back in range(1, min(4, n) + 1):
+        c = text[n - back]
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 0
+        if back < need:
+            return False
+    return True
+
+
+def held_back(ids: Sequence[int], pieces: Mapping[int, bytes]) -> list[bool]:
+    """For each generated token, whether llama-server holds it back (records no probability
+    entry for it): the generated text ends inside a UTF-8 character after it. The character's
+    last token gets the entry; a token that never completes one gets none."""
+    text = b""
+    out = []
+    for t in ids:
+        text += pieces[t]
+        out.append(not utf8_complete(text))
+    return out
+
+
+def align(
+    records: Sequence[TokenRecord],
+    ids: Sequence[int],
+    requested: int,
+    pieces: Mapping[int, bytes] | None = None,
+) -> list[TokenRecord]:
+    """One record per generated token id: each probability entry placed at the token it names,
+    every token without an entry a missing record (index = position in `ids`).
+
+    Why: llama-server writes no entry for a token whose text ends inside a UTF-8 character
+    (`held_back`), so entry ``i`` is not token ``i`` once a byte token was generated; compared
+    at the entry's position, every later token would be compared at the wrong prefix.
+
+    Entries are matched to `ids` by their ``id`` in order. A token id can occur both held back
+    and completing a character (the bytes ``E3 80 80`` as three byte tokens: the entry is the
+    last ``80``'s); `pieces` (token id -> its bytes) decides such a tie by the server's rule. An
+    `AlignmentError` when no placement matches, or several do and `pieces` cannot decide."""
+    recs = list(records)
+    if len(recs) == len(ids) and all(
+        r.token_id in (None, t) for r, t in zip(recs, ids, strict=True)
+    ):
+        return [dataclasses.replace(r, index=i) for i, r in enumerate(recs)]
+    if any(r.token_id is None for r in recs):
+        raise AlignmentError(
+            f"{len(recs)} probability entries for {len(ids)} tokens, and an entry without a "
+            "token id to place it by"
+        )
+    try:
+        complete = [not h for h in held_back(ids, pieces)] if pieces else [False] * len(ids)
+    except KeyError as e:
+        raise AlignmentError(f"no bytes for generated token id {e.args[0]}") from None
+    slots = _place([int(r.token_id) for r in recs if r.token_id is not None], ids, complete)
+    out = [_missing(i, "", t, requested) for i, t in enumerate(ids)]
+    for r, i in zip(recs, slots, strict=True):
+        out[i] = dataclasses.replace(r, index=i)
+    return out
+
+
+Score = tuple[int, int]  # (entries on character-completing tokens, placements: 0, 1 or 2+)
+_NONE: Score = (-1, 0)
+
+
+def _best(
+    entry_ids: Sequence[int], ids: Sequence[int], complete: Sequence[bool]
+) -> list[list[Score]]:
+    """best[k][i]: the best score of placing entries k.. within ids[i:], and how many
+    placements reach it (capped at 2)."""
+    m, n = len(entry_ids), len(ids)
+    best = [[_NONE] * (n + 1) for _ in range(m)] + [[(0, 1)] * (n + 1)]
+    for k in range(m - 1, -1, -1):
+        for i in range(n - 1, -1, -1):
+            skip = best[k][i + 1]
+            take = _NONE
+            if ids[i] == entry_ids[k] and best[k + 1][i + 1][0] >= 0:
+                s, w = best[k + 1][i + 1]
+                take = (s + int(complete[i]), w)
+            if take[0] != skip[0]:
+                best[k][i] = max(take, skip)
+            else:
+                best[k][i] = (skip[0], min(2, skip[1] + take[1]) if skip[0] >= 0 else 0)
+    return best
+
+
+def _place(entry_ids: Sequence[int], ids: Sequence[int], complete: Sequence[bool]) -> list[int]:
+    """Increasing positions p with ``ids[p[k]] == entry_ids[k]`` that put the most entries on
+    tokens that complete a character; an AlignmentError when none or more than one does."""
+    m, n = len(entry_ids), len(ids)
+    best = _best(entry_ids, ids, complete)
+    score, ways = best[0][0] if m else (0, 1)
+    if score < 0:
+        raise AlignmentError(
+            f"the {m} probability entries do not name the response's tokens in order "
+            f"({n} token ids)"
+        )
+    if ways > 1:
+        raise AlignmentError(
+            f"the {m} probability entries fit the response's {n} token ids in more than one "
+            "way (a token id repeats around a split character; give the token bytes)"
+        )
+    out: list[int] = []
+    i = 0
+    for k in range(m):
+        after = best[k + 1]
+        while not (
+            ids[i] == entry_ids[k]
+            and after[i + 1][0] >= 0
+            and after[i + 1][0] + int(complete[i]) == best[k][i][0]
+        ):
+            i += 1
+        out.append(i)
+        i += 1
+    return out
+
+
+def response_ids(body: JSON) -> list[int] | None:
+    """The generated token ids of a native ``/completion`` answer (``return_tokens``), None
+    when it carries none."""
+    toks = body.get("tokens")
+    if not isinstance(toks, list) or not toks or not all(isinstance(t, int) for t in toks):
+        return None
+    return [int(t) for t in toks]
 
 
 # ---------------------------------------------------------------------------------------------

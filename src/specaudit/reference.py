@@ -441,6 +441,10 @@ class ServerReference:
         self._cache[key] = nt
         return nt
 
+    def pieces(self, ids: Sequence[int]) -> dict[int, bytes]:
+        """token id -> the bytes of its text, for the distinct `ids` (`token_pieces`)."""
+        return token_pieces(self.url, ids, timeout=self.timeout)
+
     def tokenize(self, text: str) -> list[int]:
         with Client(self.url, timeout=self.timeout) as c:
             body = c.post(
@@ -450,6 +454,32 @@ class ServerReference:
             return [int(t) for t in body["tokens"]]
         except (KeyError, TypeError, ValueError):
             raise ReferenceUnusable("the reference's /tokenize answered without tokens") from None
+
+
+def token_pieces(url: str, ids: Sequence[int], *, timeout: float = 120.0) -> dict[int, bytes]:
+    """token id -> the bytes of its text, from a llama-server's ``/tokenize`` given the ids
+    themselves (``with_pieces``: a piece that is not whole UTF-8 comes as its byte values).
+
+    Why: which generated token gets a probability entry depends on where its bytes end inside a
+    UTF-8 character (`specaudit.logprobs.held_back`); the reference serves the same model, so
+    its vocabulary is the engine's."""
+    distinct = sorted(set(int(t) for t in ids))
+    if not distinct:
+        return {}
+    with Client(url, timeout=timeout) as c:
+        body = c.post("/tokenize", {"content": distinct, "with_pieces": True})
+    try:
+        out: dict[int, bytes] = {}
+        for t in body["tokens"]:
+            piece = t["piece"]
+            out[int(t["id"])] = (
+                piece.encode("utf-8") if isinstance(piece, str) else bytes(int(b) for b in piece)
+            )
+    except (KeyError, TypeError, ValueError):
+        raise ReferenceUnusable("the reference's /tokenize answered without token pieces") from None
+    if set(out) != set(distinct):
+        raise ReferenceUnusable("the reference's /tokenize did not return the pieces asked for")
+    return out
 
 
 def incremental_answers(
@@ -554,4 +584,5 @@ __all__ = [
     "sampling_fields",
     "start_reference",
     "support_size",
+    "token_pieces",
 ]

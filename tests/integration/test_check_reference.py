@@ -16,9 +16,14 @@ import pytest
 
 from shared_servers import SharedServers
 from specaudit import check, llama
-from specaudit.check.with_reference import FidelityCheckError
+from specaudit.check import fidelity_probe
+from specaudit.check.with_reference import SAMPLER_TOP_K, FidelityCheckError
+from specaudit.client import Client
+from specaudit.fixtures import SamplerSettings
 from specaudit.llama.patches import resolve
+from specaudit.llama.server import LlamaServer
 from specaudit.outcome import Outcome
+from specaudit.reference import ServerReference, reference_server
 
 FIXTURE: dict[str, Any] = {
     "prompt": "bcdbc",
@@ -90,3 +95,50 @@ def test_gemma_patched_is_correct_and_a_logprob_mutant_is_wrong(
 def test_a_reference_of_another_model_is_refused(server: Callable[..., Any]) -> None:
     with pytest.raises(FidelityCheckError, match="same model"):
         _check(server("gemma-spec-patched").url, server("fixture-plain").url, GEMMA)
+
+
+# Supplementary-plane CJK: Gemma's vocabulary has no token for most of these characters, so
+# Gemma writes them as four byte tokens, and the first three end inside the character.
+SPLIT: dict[str, Any] = {
+    "prompt": "𠀀𠀁𠀂𠀃𠀄𠀅𠀆𠀇𠀈𠀉",
+    "tokens": 12,
+    "top_k": 5,
+    "temperature": 0.7,
+    "seed": 1,
+}
+
+
+def test_stock_gemma_tokens_split_inside_a_character_are_aligned(gemma_path: Path) -> None:
+    """A stock llama-server writes no probability entry for a token that ends inside a UTF-8
+    character. With the entries placed at their token ids, each of the response's tokens is
+    classified once: every entry real and correct at its own prefix (a misplaced entry is
+    compared at another prefix and comes out wrong), every held-back token missing; streamed,
+    the tokens the stream never sent are missing and the later ones counted as uncompared."""
+    n = SPLIT["tokens"]
+    with (
+        LlamaServer(llama.ensure(), gemma_path, parallel=1, ctx_size=4096) as eng,
+        reference_server(gemma_path, parallel=4, ctx_size=4096) as ref,
+    ):
+        # the server's answer to the probes' request: fewer entries than token ids
+        sampler = SamplerSettings(
+            top_k=SAMPLER_TOP_K, top_p=1.0, min_p=0.0, temperature=SPLIT["temperature"]
+        )
+        ids = ServerReference(ref.url, sampler).tokenize(SPLIT["prompt"])
+        kind = fidelity_probe.ProbeKind("completion", False)
+        body = fidelity_probe.request_body(
+            kind, ids, sampler.request_fields(), SPLIT["seed"], n, SPLIT["top_k"]
+        )
+        with Client(eng.url) as c:
+            got = c.post("/completion", body)
+        assert len(got["tokens"]) == n > len(got["completion_probabilities"]) > 0
+
+        res = _check(eng.url, ref.url, SPLIT)
+    f = res.fidelity
+    assert f is not None
+    for post in (False, True):
+        k = f.by_kind[fidelity_probe.ProbeKind("completion", post).label]
+        assert k.real_correct + k.missing == n and k.missing > 0, (f.by_kind, f.worst)
+        assert k.real_wrong == k.placeholder == 0, (f.by_kind, f.worst)
+        k = f.by_kind[fidelity_probe.ProbeKind("completion", post, stream=True).label]
+        assert k.missing > 0 and k.real_wrong == k.placeholder == 0, (f.by_kind, f.worst)
+    assert f.counts.total + f.uncompared == 4 * n, (f.by_kind, f.uncompared)

@@ -350,7 +350,7 @@ def classify_token(
     engine sent a real number); `ids` maps token text to id for records without ids (OpenAI
     legacy completions)."""
     mode = mode_of(record)
-    if record.reported_logprob is None and record.prob is None:
+    if not _has_value(record):
         return TokenFidelity(record.index, record.token_id, mode, Fidelity.MISSING)
     if record.klass is TokenClass.PLACEHOLDER:
         return TokenFidelity(record.index, record.token_id, mode, Fidelity.PLACEHOLDER)
@@ -414,10 +414,15 @@ def count(tokens: Iterable[TokenFidelity]) -> FidelityCounts:
 
 @dataclass(frozen=True)
 class FidelityResult:
-    """Every token's class, the counts, and the largest deviation of a real token."""
+    """Every token's class, the counts, and the largest deviation of a real token.
+
+    `uncompared`: tokens with a value that came after a token whose id the response does not
+    name (a streamed token held back inside a UTF-8 character): their prefix is unknown, so they
+    are counted here and not classified."""
 
     tokens: tuple[TokenFidelity, ...]
     tolerance: Tolerance
+    uncompared: int = 0
     counts: FidelityCounts = field(init=False)
     worst: TokenFidelity | None = field(init=False)
 
@@ -434,6 +439,10 @@ class FidelityResult:
         return [t for t in self.tokens if t.klass is Fidelity.REAL_WRONG]
 
 
+def _has_value(r: TokenRecord) -> bool:
+    return not (r.reported_logprob is None and r.prob is None)
+
+
 def classify(
     records: Sequence[TokenRecord],
     prompt_ids: Sequence[int],
@@ -442,23 +451,35 @@ def classify(
     ids: Mapping[str, int] | None = None,
 ) -> FidelityResult:
     """Classify one response's tokens: token ``i``'s reference is the reference's answer after
-    `prompt_ids` and the ids of tokens ``0..i-1`` (asked once per prefix)."""
-    prefix = list(prompt_ids)
+    `prompt_ids` and the ids of tokens ``0..i-1`` (asked once per prefix).
+
+    `records` must be one per generated token, in order (`specaudit.logprobs.align`): a token
+    without a probability entry is a missing record, never left out, so no later token is
+    compared at a shorter prefix. A missing record without an id (and not in `ids`) leaves the
+    later prefixes unknown: the later tokens with values are counted as uncompared."""
+    prefix: list[int] | None = list(prompt_ids)
     cache: dict[tuple[int, ...], NextToken] = {}
     out: list[TokenFidelity] = []
+    uncompared = 0
     for r in records:
-        key = tuple(prefix)
-        needs_ref = not (r.reported_logprob is None and r.prob is None) and (
-            r.klass is not TokenClass.PLACEHOLDER
-        )
+        needs_ref = _has_value(r) and r.klass is not TokenClass.PLACEHOLDER
+        if needs_ref and prefix is None:
+            uncompared += 1
+            continue
         ref = None
-        if needs_ref:
+        if needs_ref and prefix is not None:
+            key = tuple(prefix)
             ref = cache.get(key)
             if ref is None:
                 ref = cache[key] = reference.next_token(key)
         out.append(classify_token(r, ref, tol, ids))
-        prefix.append(_id(r.token_id, r.token, ids, f"token {r.index}"))
-    return FidelityResult(tuple(out), tol)
+        if prefix is None:
+            continue
+        if r.token_id is None and not _has_value(r) and (ids is None or r.token not in ids):
+            prefix = None  # an unsent token: which one is not known
+        else:
+            prefix.append(_id(r.token_id, r.token, ids, f"token {r.index}"))
+    return FidelityResult(tuple(out), tol, uncompared)
 
 
 def merge(results: Iterable[FidelityResult]) -> FidelityResult:
@@ -466,7 +487,9 @@ def merge(results: Iterable[FidelityResult]) -> FidelityResult:
     rs = list(results)
     if not rs:
         raise FidelityError("nothing to merge")
-    return FidelityResult(tuple(t for r in rs for t in r.tokens), rs[0].tolerance)
+    return FidelityResult(
+        tuple(t for r in rs for t in r.tokens), rs[0].tolerance, sum(r.uncompared for r in rs)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

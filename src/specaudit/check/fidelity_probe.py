@@ -8,7 +8,7 @@ answers, tested without a server.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +25,15 @@ from specaudit.check.fidelity import (
     noise_floor,
 )
 from specaudit.client import ENDPOINTS, Client
-from specaudit.logprobs import Counts, TokenRecord, counts, from_response, from_stream
+from specaudit.logprobs import (
+    Counts,
+    TokenRecord,
+    align,
+    counts,
+    from_response,
+    from_stream,
+    response_ids,
+)
 from specaudit.reference import ask_next_token, sampling_fields
 
 
@@ -93,6 +101,11 @@ class FidelityRun:
         return counts([r for p in self.probes for r in p.records])
 
     @property
+    def uncompared(self) -> int:
+        """Tokens with a value whose prefix is unknown (`FidelityResult.uncompared`)."""
+        return sum(p.result.uncompared for p in self.probes)
+
+    @property
     def drafted(self) -> tuple[int, int]:
         """(drafted, accepted) summed over the non-streamed responses that report them."""
         return (
@@ -146,6 +159,28 @@ def _draft_counts(bodies: Sequence[dict[str, Any]]) -> tuple[int | None, int | N
     return None, None
 
 
+def records(
+    kind: ProbeKind,
+    bodies: Sequence[dict[str, Any]],
+    n_probs: int,
+    pieces: Callable[[Sequence[int]], Mapping[int, bytes]] | None = None,
+) -> list[TokenRecord]:
+    """One record per generated token of a probe's response, in order.
+
+    Why not the entries as they come: llama-server writes no probability entry for a token
+    whose text ends inside a UTF-8 character, so on a native ``/completion`` each entry is
+    placed at its token among the response's ids (``return_tokens``; `specaudit.logprobs.align`),
+    and a streamed response gets a missing record for every token it counts but never sent."""
+    if kind.stream:
+        return from_stream(kind.endpoint, bodies, n_probs, unsent=kind.endpoint == "completion")
+    recs = from_response(kind.endpoint, bodies[0], n_probs)
+    ids = response_ids(bodies[0]) if kind.endpoint == "completion" else None
+    if ids is None:
+        return recs
+    bytes_of = pieces(ids) if pieces is not None and len(recs) != len(ids) else None
+    return align(recs, ids, n_probs, bytes_of)
+
+
 def probe_server(
     url: str,
     *,
@@ -159,13 +194,16 @@ def probe_server(
     n_probs: int = 3,
     kinds: Sequence[ProbeKind] = DEFAULT_KINDS,
     vocabulary: Mapping[str, int] | None = None,
+    pieces: Callable[[Sequence[int]], Mapping[int, bytes]] | None = None,
     timeout: float = 120.0,
 ) -> FidelityRun:
     """Ask a server for `tokens` tokens per seed and probe kind and classify every token.
 
     `prompt_ids` must be what the server makes of `prompt` on both endpoints (on the fixtures
     the chat template is the bare concatenation, so it is); `vocabulary` (piece -> id) lets a
-    token streamed without an id extend the prefix.
+    token streamed without an id extend the prefix; `pieces` (token ids -> their bytes, e.g.
+    `specaudit.reference.ServerReference.pieces`) places a probability entry whose token id
+    repeats around a character split into several tokens (`records`).
     """
     probes: list[Probe] = []
     with Client(url, timeout=timeout) as client:
@@ -175,10 +213,9 @@ def probe_server(
                 path = ENDPOINTS["completion" if kind.endpoint == "completion" else "chat"]
                 if kind.stream:
                     bodies = client.stream(path, body).events
-                    recs = from_stream(kind.endpoint, bodies, n_probs)
                 else:
                     bodies = [client.post(path, body)]
-                    recs = from_response(kind.endpoint, bodies[0], n_probs)
+                recs = records(kind, bodies, n_probs, pieces)
                 if not recs:
                     raise FidelityError(f"{kind.label} returned no tokens")
                 res = classify(recs, prompt_ids, reference, tol, vocabulary)
@@ -249,6 +286,7 @@ __all__ = [
     "ProbeKind",
     "probe_server",
     "reclassify",
+    "records",
     "request_body",
     "server_noise_floor",
 ]

@@ -19,6 +19,7 @@ from specaudit.check import fidelity, fidelity_probe
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings
+from specaudit.logprobs import utf8_complete
 from specaudit.reference import (
     NextToken,
     ServerReference,
@@ -55,6 +56,7 @@ class FidelitySummary:
     drafted: int
     accepted: int
     worst: list[str] = field(default_factory=list)  # up to 5 "kind token i: what" lines
+    uncompared: int = 0  # tokens after an unsent one (`fidelity.FidelityResult.uncompared`)
 
     @property
     def wrong(self) -> int:
@@ -100,12 +102,21 @@ def measure_floor(
     tokens: int,
     timeout: float = 120.0,
 ) -> fidelity.NoiseFloor:
-    """The reference's own spread (`prefix_answers`) for the prompt and for prefixes along one
-    of its own samples."""
+    """The reference's own spread (`prefix_answers`) for about four prefixes along one of its
+    own samples, the prompt first.
+
+    Only prefixes after which the sample's next token is whole UTF-8 by itself: before a token
+    that starts a character it splits into bytes (supplementary-plane CJK on Gemma 3), nearly
+    every draw is held back and the reference has no probabilities to give
+    (`specaudit.reference.held_back`)."""
     body = {**completion_body(ids, sampler, 1), "n_predict": tokens, "return_tokens": True}
     with Client(reference, timeout=timeout) as c:
         gen = [int(t) for t in c.post("/completion", body).get("tokens", [])]
-    prefixes = [list(ids) + gen[:j] for j in range(0, len(gen) + 1, max(1, len(gen) // 3))]
+    pieces = ref.pieces(gen) if gen else {}
+    cuts = [j for j, t in enumerate(gen) if utf8_complete(pieces[t])]
+    if len(cuts) == len(gen):
+        cuts.append(len(gen))  # no split character in the sample: its end as well
+    prefixes = [list(ids) + gen[:j] for j in (cuts or [0])[:: max(1, len(gen) // 3)]]
     return fidelity.noise_floor(
         prefix_answers(reference, ref, p, sampler, timeout=timeout) for p in prefixes
     )
@@ -186,7 +197,7 @@ def run(
         res = fidelity_probe.probe_server(
             url, prompt=ids, prompt_ids=ids, reference=ref, tol=fidelity.tolerance(floor),
             sampling=sampling, seeds=[seed], tokens=tokens, n_probs=top_k, kinds=KINDS,
-            timeout=timeout,
+            pieces=ref.pieces, timeout=timeout,
         )  # fmt: skip
         res, floor = confirm_wrong(res, reference, ref, ids, sampler, floor, timeout=timeout)
         tol = fidelity.tolerance(floor)
@@ -200,7 +211,7 @@ def run(
     return FidelitySummary(
         reference=reference, counts=res.counts, by_kind=res.counts_by_kind(),
         tolerance_prob=tol.prob, tolerance_logprob=tol.logprob, drafted=drafted,
-        accepted=accepted, worst=worst,
+        accepted=accepted, worst=worst, uncompared=res.uncompared,
     )  # fmt: skip
 
 

@@ -304,5 +304,11 @@ def _render_fidelity(result: CheckResult) -> None:
         f"{f.tolerance_prob:.2g}, logprob {f.tolerance_logprob:.2g}",
         highlight=False,
     )
+    if f.uncompared:
+        out.print(
+            f"note: {f.uncompared} streamed tokens came after a token the stream never sent "
+            "(held back inside a UTF-8 character): their prefix is unknown, not compared",
+            highlight=False,
+        )
     for line in f.worst:
         out.print(f"real but wrong: {line}", highlight=False)
