@@ -20,6 +20,12 @@ seeds per second. Exit 1 unless every run is PRESERVED with all four positions a
 test in its family, every seed reported, and its speculative machinery exercised (drafted
 tokens, some accepted, some rejected: the rejection path and its residual are what the patch
 changed); exit 2 on a build or input error.
+
+Measured (table in docs/llama-speculative-fix.md, "Evidence"): b11434 seeds 1-5000 and
+5001-10000, b10705 1-5000 and 10001-15000, b11205 15001-20000 (and 5001-10000), both fixtures:
+every run PRESERVED at tolerance 0.15, smallest p of a family 0.054 (history 3, Holm 0.49);
+the ports print b11434's text seed for seed. 9 to 83 seeds per second niced on the shared
+2-core machine, depending on its load (5,000 seeds in 1 to 9 minutes); exit 0.
 """
 
 from __future__ import annotations
