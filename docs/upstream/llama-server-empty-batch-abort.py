@@ -27,7 +27,9 @@ Exit status: 0 when the server aborted (reproduced), 1 when it survived.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -59,10 +61,11 @@ def main() -> int:
     if a.batch:
         argv += ["-b", str(a.batch), "-ub", str(a.batch)]
     argv += extra
-    log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    fd, log = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+    proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT)
+    os.close(fd)
     try:
-        return run(url, proc, a.n_tokens, a.delay, a.attempts, log.name)
+        return run(url, proc, a.n_tokens, a.delay, a.attempts, log)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -76,61 +79,73 @@ def call(url: str, path: str, body: dict | None = None, timeout: float = 600.0) 
         return json.loads(r.read())
 
 
-def run(url: str, proc: subprocess.Popen, n: int, delay: float, attempts: int, log: str) -> int:
+def ready(url: str, proc: subprocess.Popen) -> bool:
     for _ in range(600):
         try:
             call(url, "/health", timeout=1)
-            break
+            return True
         except (OSError, urllib.error.URLError):
             if proc.poll() is not None:
-                print(f"llama-server exited at startup (log: {log})")
-                return 1
+                return False
             time.sleep(0.2)
+    return False
+
+
+def body(ids: list[int]) -> dict:
+    return {"prompt": ids, "n_predict": 1, "n_probs": 4, "cache_prompt": True,
+            "id_slot": 0, "seed": 0}
+
+
+def send(url: str, ids: list[int]) -> None:
+    with contextlib.suppress(OSError, urllib.error.URLError):  # an abort closes the connection
+        call(url, "/completion", body(ids), timeout=120)
+
+
+def attempt(url: str, prompt_c: list[int], prompt_a: list[int], delay: float) -> bool:
+    """C, then A and (while A is mid-prompt) C again, all pinned to slot 0; True when both
+    A and the second C were answered."""
+    call(url, "/completion", body(prompt_c))  # 1. slot 0 holds C
+    t_a = threading.Thread(target=send, args=(url, prompt_a))
+    t_a.start()  # 2. slot 0 starts A
+    while t_a.is_alive():  # wait until slot 0 is busy with A
+        if call(url, "/slots", timeout=5)[0].get("is_processing"):
+            break
+    time.sleep(delay)  # A's first prompt batch is being decoded: slot 0 is mid-prompt
+    t_b = threading.Thread(target=send, args=(url, prompt_c))
+    t_b.start()  # 3. B (= C) pinned to the busy slot 0
+    t_a.join(150)
+    t_b.join(150)
+    return not (t_a.is_alive() or t_b.is_alive())
+
+
+def run(url: str, proc: subprocess.Popen, n: int, delay: float, attempts: int, log: str) -> int:
+    if not ready(url, proc):
+        print(f"llama-server did not start (log: {log})")
+        return 1
     n_vocab = call(url, "/v1/models")["data"][0]["meta"]["n_vocab"]
     # prompts of n tokens from two disjoint id ranges: C and A share no prefix
     span = max(1, min(97, n_vocab // 2))
     lo = n_vocab // 4 if n_vocab > 4 * span else 0
-
-    def body(ids: list[int]) -> dict:
-        return {"prompt": ids, "n_predict": 1, "n_probs": 4, "cache_prompt": True,
-                "id_slot": 0, "seed": 0}
-
-    def send(ids: list[int]) -> None:
-        try:
-            call(url, "/completion", body(ids), timeout=120)
-        except (OSError, urllib.error.URLError):
-            pass  # the server aborting closes the connection
-
-    for attempt in range(attempts):
+    for k in range(attempts):
         # each attempt its own prompts (C's first token differs between attempts)
-        prompt_c = [lo + (i + attempt) % span for i in range(n)]
-        prompt_a = [lo + span + (i + attempt) % span for i in range(n)]
-        call(url, "/completion", body(prompt_c))  # 1. slot 0 holds C
-        t_a = threading.Thread(target=send, args=(prompt_a,))
-        t_a.start()  # 2. slot 0 starts A
-        while t_a.is_alive():  # wait until slot 0 is busy with A
-            if call(url, "/slots", timeout=5)[0].get("is_processing"):
-                break
-        time.sleep(delay)  # A's first prompt batch is being decoded: slot 0 is mid-prompt
-        t_b = threading.Thread(target=send, args=(prompt_c,))
-        t_b.start()  # 3. B (= C) pinned to the busy slot 0
-        t_a.join(150)
-        t_b.join(150)
-        try:
+        prompt_c = [lo + (i + k) % span for i in range(n)]
+        prompt_a = [lo + span + (i + k) % span for i in range(n)]
+        answered = attempt(url, prompt_c, prompt_a, delay)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(2)
-        except subprocess.TimeoutExpired:
-            pass
         if proc.poll() is not None:
-            hit = [ln.strip() for ln in open(log, errors="replace") if "GGML_ASSERT" in ln]
-            print(f"llama-server aborted at attempt {attempt + 1} (exit {proc.returncode}): "
+            with open(log, errors="replace") as f:
+                hit = [ln.strip() for ln in f if "GGML_ASSERT" in ln]
+            print(f"llama-server aborted at attempt {k + 1} (exit {proc.returncode}): "
                   f"{hit[0] if hit else '(no assert in the log)'}")
             print(f"log: {log}")
             return 0
-        if t_a.is_alive() or t_b.is_alive():
-            print(f"attempt {attempt + 1}: request A or B hangs (log: {log})")
+        if not answered:
+            print(f"attempt {k + 1}: request A or B hangs (log: {log})")
             return 1
     print(f"llama-server survived {attempts} attempts (log: {log})")
     return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
