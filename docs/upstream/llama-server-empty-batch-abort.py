@@ -7,8 +7,8 @@ similarity it computed for it is 0, runs the prompt-cache update on it (prompt_s
 prompt_load) before the caller defers the task: the busy slot's tokens and KV state are
 replaced by the cached prompt that best matches the *deferred* request. When that prompt is
 as long as the running task's, the next pre_decode() finds "the entire prompt processed"
-with nothing added to the batch and aborts; a longer one leaves the task hanging; a shorter,
-matching one silently continues the running prompt on another prompt's KV cells.
+with nothing added to the batch and aborts; a longer one leaves the task hanging; a shorter one
+silently continues the running prompt on another prompt's KV cells (a wrong answer).
 
     python3 llama-server-empty-batch-abort.py /path/to/llama-server /path/to/model.gguf
         [--n-tokens N] [--delay S] [--attempts K] [--batch B] [llama-server args ...]
