@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
@@ -249,6 +250,78 @@ async def aread_next_token(
     return parse_next_token(ans, post=post), n
 
 
+class SlotGate:
+    """Who may talk to one reference server at a time: any number of ordinary questions
+    (`shared`), or one caller that pins a slot (``id_slot``, `incremental_answers`) alone
+    (`exclusive`, which waits for the questions in flight and holds new ones back).
+
+    Why: llama-server (b11434) runs its prompt-cache update on a pinned slot even while that
+    slot is busy, before it defers the pinned request: the busy slot's prompt and KV cells
+    are swapped for the cached prompt that best matches the deferred request. The running
+    request then aborts the server (``GGML_ASSERT(batch.size() > 0)`` in ``pre_decode``,
+    when the swapped-in prompt is as long as its own), hangs (longer), or is answered from
+    another prompt's cells (shorter). A pinned request that only ever finds its slot idle
+    never triggers it (docs/upstream/llama-server-empty-batch-abort.md)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0  # exclusive callers waiting: new shared holds queue behind them
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and self._shared == 0)
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, SlotGate]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def slot_gate(url: str) -> SlotGate:
+    """The `SlotGate` of the server at `url` in the running event loop: every `Reference` on
+    one server (the reference and a draft served by the same process) shares it."""
+    gates = _GATES.setdefault(asyncio.get_running_loop(), {})
+    return gates.setdefault(url.rstrip("/"), SlotGate())
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+async def alone(url: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """``fn(*args, **kwargs)`` in a worker thread with no other question in flight on the
+    server at `url` (`SlotGate.exclusive`): for the synchronous callers that pin a slot
+    (`incremental_answers` and the measurements built on it)."""
+    async with slot_gate(url).exclusive():
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 class NextTokenSource(Protocol):
     """Anything that answers a prefix's processed next-token distribution: the reference
     (`Reference`), a draft model served as one, a fixture's closed form
@@ -331,7 +404,7 @@ class Reference:
 
     async def raw(self, ids: Sequence[int], n: int) -> dict[int, float]:
         """The raw (pre-sampling) top-`n` log-probabilities after `ids`."""
-        async with self._sem:
+        async with self._sem, slot_gate(self.url).shared():
             raw, asked = await aread_next_token(
                 self._client, completion_body(ids, self.sampler, n, post=False), post=False
             )
@@ -377,7 +450,7 @@ class Reference:
 
     async def _ask(self, key: tuple[int, ...]) -> NextToken:
         ids = list(key)
-        async with self._sem:
+        async with self._sem, slot_gate(self.url).shared():
             probs, asked = await aread_next_token(
                 self._client, completion_body(ids, self.sampler, self._n_probs), post=True
             )
@@ -500,7 +573,8 @@ def incremental_answers(
     sums are split); a server that reports exactly what it sampled from still differs from a
     reference that evaluated the prefix in one piece. This spread is part of the noise floor
     the fidelity tolerance and the same-model probe are measured from. Slot 0 is pinned so the
-    prefix cache is the one just filled.
+    prefix cache is the one just filled; an async caller that shares the server runs this
+    through `alone` (a pinned request must never find its slot busy: `SlotGate`).
     """
     out: list[NextToken] = []
     with Client(url, timeout=timeout) as c:
@@ -572,8 +646,10 @@ __all__ = [
     "SamplerBoundSource",
     "Reference",
     "ReferenceUnusable",
+    "SlotGate",
     "ServerReference",
     "ask_next_token",
+    "alone",
     "aread_next_token",
     "completion_body",
     "held_back",
@@ -582,6 +658,7 @@ __all__ = [
     "parse_next_token",
     "read_next_token",
     "sampling_fields",
+    "slot_gate",
     "start_reference",
     "support_size",
     "token_pieces",

@@ -29,6 +29,7 @@ from specaudit.reference import (
     Reference,
     ReferenceUnusable,
     SamplerBoundSource,
+    alone,
     aread_next_token,
     completion_body,
     identity_from_models,
@@ -248,8 +249,8 @@ async def run_against(
             )
         prompts = [list(p) for p in req.prompt_ids] or [await ref.tokenize(t) for t in req.prompts]
         n_probs = support_size(req.sampler, ident.n_vocab)
-        tv_floor, lp_floor = await asyncio.to_thread(
-            noise_spread, ref_url, prompts[0], req.sampler, n_probs, req.timeout
+        tv_floor, lp_floor = await alone(
+            ref_url, noise_spread, ref_url, prompts[0], req.sampler, n_probs, req.timeout
         )
         tv = await (probe or (lambda r, ids: _probe(req, r, ids)))(ref, prompts[0])
         allowed = max(PROBE_TOLERANCE, 2 * tv_floor)

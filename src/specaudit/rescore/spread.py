@@ -10,7 +10,6 @@ fidelity check measures its own floor (`specaudit.check.fidelity`).
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Mapping, Sequence
 
@@ -19,6 +18,7 @@ from specaudit.fixtures import SamplerSettings
 from specaudit.reference import (
     NextToken,
     Reference,
+    alone,
     ask_next_token,
     completion_body,
     incremental_answers,
@@ -118,9 +118,9 @@ async def measure_edge_leak(
     if not picked:
         return None
     prefixes = [[*prompts[d.prompt], *outside.generated_ids(d)] for d in picked]
-    return await asyncio.to_thread(
-        edge_leak, ref.url, prefixes, [d.ref.probs for d in picked], ref.sampler, n_probs,
-        alpha * outside.BOUND_SHARE, timeout,
+    return await alone(
+        ref.url, edge_leak, ref.url, prefixes, [d.ref.probs for d in picked], ref.sampler,
+        n_probs, alpha * outside.BOUND_SHARE, timeout,
     )  # fmt: skip
 
 
@@ -177,9 +177,9 @@ class OutsideSorter:
         if self.confirmed >= EDGE_CONFIRM:
             return True
         self.confirmed += 1
-        answers = await asyncio.to_thread(
-            incremental_answers, self.ref.url, prefix, self.ref.sampler, self.n_probs,
-            raw_probs=self.n_probs + 20, timeout=self.timeout,
+        answers = await alone(
+            self.ref.url, incremental_answers, self.ref.url, prefix, self.ref.sampler,
+            self.n_probs, raw_probs=self.n_probs + 20, timeout=self.timeout,
         )  # fmt: skip
         return not at_the_edge(d.token, [whole, *answers], self.margin)
 
