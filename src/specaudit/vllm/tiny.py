@@ -92,7 +92,8 @@ def build_tiny(out: Path) -> Path:
         import transformers  # noqa: F401
     except ImportError:
         raise ModelError(
-            "the tiny vLLM model needs the transformers extra (pip install 'specaudit[transformers]')"
+            "the tiny vLLM model needs the transformers extra "
+            "(pip install 'specaudit[transformers]')"
         ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
