@@ -5,6 +5,7 @@ preflight, and the env's stamp logic with pip and python faked through `ensure_e
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from specaudit.errors import BuildError, ServerError
 from specaudit.vllm import __main__ as vllm_main
 from specaudit.vllm import env as venv
-from specaudit.vllm.server import VllmServer, cpu_bind
+from specaudit.vllm.server import VllmServer, omp_settings
 
 
 def _env(tmp_path: Path) -> venv.VllmEnv:
@@ -40,7 +41,7 @@ def test_server_argv_is_vllms_api_server_on_loopback(tmp_path: Path) -> None:
     srv.port = 4321
     argv = srv.argv()
     py = argv.index(str(env.python))
-    assert argv[py + 1 : py + 3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[py + 1 : py + 4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]
     assert _value(argv, "--model") == str(tmp_path / "model")
     assert _value(argv, "--host") == "127.0.0.1"
     assert _value(argv, "--port") == "4321"
@@ -49,16 +50,26 @@ def test_server_argv_is_vllms_api_server_on_loopback(tmp_path: Path) -> None:
     assert _value(argv, "--max-logprobs") == "7"
     assert _value(argv, "--max-model-len") == "128"
     assert _value(argv, "--seed") == "0"
-    assert "--speculative-config" not in argv
-    assert "--max-num-seqs" not in argv
+    for optional in ("--speculative-config", "--max-num-seqs", "--enforce-eager"):
+        assert optional not in argv
+    assert "--logprobs-mode" not in argv
 
 
 def test_server_argv_speculates_with_the_callers_config(tmp_path: Path) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-    srv = VllmServer(_env(tmp_path), tmp_path / "m", speculative=spec, max_num_seqs=2)
+    srv = VllmServer(
+        _env(tmp_path),
+        tmp_path / "m",
+        speculative=spec,
+        max_num_seqs=2,
+        eager=True,
+        logprobs_mode="processed_logprobs",
+    )
     argv = srv.argv()
     assert json.loads(_value(argv, "--speculative-config")) == spec
     assert _value(argv, "--max-num-seqs") == "2"
+    assert _value(argv, "--logprobs-mode") == "processed_logprobs"
+    assert "--enforce-eager" in argv
 
 
 def test_server_environment_is_set_on_the_command_line(tmp_path: Path) -> None:
@@ -69,18 +80,25 @@ def test_server_environment_is_set_on_the_command_line(tmp_path: Path) -> None:
     assert Path(head[0]).name == "env"
     for name in venv.LEAKY:  # specaudit's PYTHONPATH never reaches vLLM's venv
         assert ["-u", name] in [head[i : i + 2] for i in range(len(head) - 1)]
-    assert "VLLM_CPU_KVCACHE_SPACE=3" in head
-    assert "VLLM_CPU_OMP_THREADS_BIND=0-1" in head
-    assert "VLLM_LOGGING_LEVEL=DEBUG" in head
-    assert srv.environ()["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    for setting in (
+        "VLLM_CPU_KVCACHE_SPACE=3",
+        "VLLM_CPU_OMP_THREADS_BIND=nobind",
+        "OMP_NUM_THREADS=2",
+        "VLLM_LOGGING_LEVEL=DEBUG",
+        "HF_HUB_OFFLINE=1",
+        "VLLM_NO_USAGE_STATS=1",
+        f"VLLM_CACHE_ROOT={env.root.parent / 'runtime-cache'}",
+    ):
+        assert setting in head
     assert VllmServer(env, tmp_path / "m").environ()["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_cpu_bind() -> None:
-    assert cpu_bind(1) == "0"
-    assert cpu_bind(4) == "0-3"
+def test_omp_settings_unbound_by_default_or_bound_to_the_first_cores() -> None:
+    assert omp_settings(1) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    assert omp_settings(1, bind=True) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert omp_settings(4, bind=True) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}
     with pytest.raises(ValueError):
-        cpu_bind(0)
+        omp_settings(0)
 
 
 def test_preflight_missing_env(tmp_path: Path) -> None:
@@ -96,14 +114,6 @@ def test_preflight_missing_config(tmp_path: Path) -> None:
     with pytest.raises(ServerError, match="no config.json"), srv:
         pass
     assert srv.proc is None
-
-
-def test_preflight_unknown_method(tmp_path: Path) -> None:
-    srv = VllmServer(
-        _env(tmp_path), _model(tmp_path), speculative={"method": "medusa"}, log_path=tmp_path / "l"
-    )
-    with pytest.raises(ServerError, match="unknown vLLM speculative method 'medusa'"), srv:
-        pass
 
 
 class FakeBuild:
@@ -221,3 +231,15 @@ def test_main_build_error_is_one_line(
     assert vllm_main.main(["install"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: building the vLLM env")
+
+
+def test_run_logged_appends_the_command_and_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/src")
+    log = tmp_path / "build.log"
+    log.write_text("before\n")
+    code = "import os, sys; print('pp', os.environ.get('PYTHONPATH')); sys.exit(3)"
+    assert venv.run_logged([sys.executable, "-c", code], log) == 3
+    text = log.read_text()
+    assert text.startswith("before\n$ ") and "pp None" in text

@@ -29,18 +29,18 @@ from specaudit.vllm.env import LEAKY, VllmEnv
 
 ENV_COMMAND = shutil.which("env") or "/usr/bin/env"
 
-SPEC_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp")
-"""vLLM's speculative methods (``--speculative-config``'s ``method``)."""
-
 
 class VllmServer(ManagedServer):
     """``python -m vllm.entrypoints.openai.api_server`` on `model` (a Hugging Face folder),
     ready when `__enter__` returns.
 
     `speculative`: vLLM's ``--speculative-config`` as a dict (e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 3, "prompt_lookup_max": 3}``) or None for a plain server.
-    `threads`: OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``: that many cores, 0 upwards);
-    `kv_cache_gib`: ``VLLM_CPU_KVCACHE_SPACE``.
+    "num_speculative_tokens": 3, "prompt_lookup_max": 3}``) or None for a plain server; vLLM
+    checks it (its methods: ngram, draft_model, suffix, eagle, eagle3, the MTP types, ...).
+    `threads`, `bind`: OpenMP threads, unbound by default (`omp_settings`); `kv_cache_gib`:
+    ``VLLM_CPU_KVCACHE_SPACE``; `eager`: ``--enforce-eager`` (no torch.compile);
+    `logprobs_mode`: ``--logprobs-mode`` (vLLM's default ``raw_logprobs`` reports the model's
+    logprobs before temperature and top-k/top-p; ``processed_logprobs`` after them).
     """
 
     ready_path = "/health"
@@ -57,6 +57,9 @@ class VllmServer(ManagedServer):
         max_model_len: int = 256,
         max_num_seqs: int | None = None,
         threads: int = 1,
+        bind: bool = False,
+        eager: bool = False,
+        logprobs_mode: str | None = None,
         kv_cache_gib: int = 1,
         logging_level: str = "INFO",
         log_path: Path | None = None,
@@ -70,6 +73,9 @@ class VllmServer(ManagedServer):
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.threads = threads
+        self.bind = bind
+        self.eager = eager
+        self.logprobs_mode = logprobs_mode
         self.kv_cache_gib = kv_cache_gib
         self.logging_level = logging_level
 
@@ -81,7 +87,9 @@ class VllmServer(ManagedServer):
         drop = [a for k in LEAKY for a in ("-u", k)]
         out = [
             ENV_COMMAND, *drop, *settings,
-            str(self.env.python), "-m", "vllm.entrypoints.openai.api_server",
+            # -P: the caller's working directory is not put on sys.path (a folder named like
+            # one of vLLM's imports, such as vllm's own package dir, would shadow it)
+            str(self.env.python), "-P", "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--host", self.host, "--port", str(self.port),
             "--dtype", "float32",
@@ -94,13 +102,23 @@ class VllmServer(ManagedServer):
             out += ["--speculative-config", json.dumps(self.speculative, sort_keys=True)]
         if self.max_num_seqs is not None:
             out += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.eager:
+            out.append("--enforce-eager")
+        if self.logprobs_mode is not None:
+            out += ["--logprobs-mode", self.logprobs_mode]
         return out
 
     def environ(self) -> dict[str, str]:
-        """vLLM's CPU settings, set on top of our environment (less `LEAKY`)."""
+        """vLLM's settings, set on top of our environment (less `LEAKY`): its CPU knobs, its
+        compile cache next to the env in specaudit's cache (not ~/.cache/vllm), and no
+        network (a local folder needs no hub; no usage stats)."""
         return {
+            "VLLM_CACHE_ROOT": str(self.env.root.parent / "runtime-cache"),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(self.threads),
+            **omp_settings(self.threads, bind=self.bind),
             "VLLM_LOGGING_LEVEL": self.logging_level,
         }
 
@@ -112,18 +130,22 @@ class VllmServer(ManagedServer):
             )
         if not (self.model / "config.json").is_file():
             raise ServerError(f"not a Hugging Face model folder (no config.json): {self.model}")
-        method = (self.speculative or {}).get("method")
-        if self.speculative is not None and method not in SPEC_METHODS:
-            raise ServerError(
-                f"unknown vLLM speculative method {method!r}; one of {', '.join(SPEC_METHODS)}"
-            )
 
 
-def cpu_bind(threads: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for `threads` OpenMP threads: cores 0..threads-1."""
+def omp_settings(threads: int, *, bind: bool = False) -> dict[str, str]:
+    """vLLM's CPU worker's OpenMP settings for `threads` threads.
+
+    Unbound (the default): ``VLLM_CPU_OMP_THREADS_BIND=nobind`` makes vLLM leave OpenMP alone
+    (vllm/utils/ompmultiprocessing.py, ``skip_setup``), so ``OMP_NUM_THREADS`` sets the count
+    and the kernel places the threads: two servers, or a server beside llama.cpp, never pin the
+    same core. Bound: cores ``0..threads-1`` (vLLM then sets ``OMP_NUM_THREADS`` itself);
+    vLLM's own default, ``auto``, takes every physical core of a NUMA node.
+    """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    return "0" if threads == 1 else f"0-{threads - 1}"
+    if bind:
+        return {"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-__all__ = ["SPEC_METHODS", "VllmServer", "cpu_bind"]
+__all__ = ["ENV_COMMAND", "VllmServer", "omp_settings"]
