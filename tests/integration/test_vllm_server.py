@@ -159,17 +159,24 @@ def test_server_argv_is_vllms_module_with_fixed_flags(served: Served) -> None:
 
 
 def test_nothing_is_left_running(served: Served) -> None:
+    """Gone within seconds of `stop`: SIGKILL is delivered at once, but a process of several
+    GB takes a moment to exit, and init reaps what the killed API server leaves behind."""
     assert len(served.pids) >= 2  # the API server and vLLM's engine processes
-    with pytest.raises(ProcessLookupError):
-        os.killpg(served.pgid, 0)
-    deadline = time.monotonic() + 10.0
-    alive = [p for p in served.pids if _running(p)]
-    while alive and time.monotonic() < deadline:  # reaped by init after SIGKILL
+    deadline = time.monotonic() + 15.0
+    while _group_exists(served.pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
-        alive = [p for p in served.pids if _running(p)]
-    assert alive == []
+    assert not _group_exists(served.pgid)
+    assert [p for p in served.pids if _running(p)] == []
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", served.port))  # the port is free again
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _running(pid: int) -> bool:
