@@ -12,7 +12,11 @@ What is fixed, and why:
   generation_config.json as sampling defaults, and a request no longer means what it says;
 - ``--seed 0``: a fixed engine seed (a request's own ``seed`` still decides its sample);
 - a small KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB) and one OpenMP thread by default: the
-  server shares a 2-core machine with other work. A server starts in 40-90 s here.
+  server shares a 2-core machine with other work.
+Start-up is mostly three processes (API server, engine core, worker) each importing torch and
+vLLM. Measured on the tiny model on this 2-core machine with other work running: 92 s with
+``--enforce-eager`` (`eager`) and 113 s without (torch.compile's warm-up, about 45 s cold)
+at a load of 4; 190-213 s at a load of 6. Hence a `startup_timeout` of 300 s.
 """
 
 from __future__ import annotations
