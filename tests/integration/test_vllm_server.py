@@ -1,7 +1,9 @@
 """vLLM's CPU build for real: the env in specaudit's cache (built here if ``python -m
 specaudit.vllm install`` has not built it), a `VllmServer` on the tiny Llama folder answering
 a seeded ``/v1/completions`` with logprobs and token ids, checked against the same weights run
-by transformers, then stopped with nothing left running."""
+by transformers, then stopped with nothing left running; and a server speculating with vLLM's
+n-gram drafter (``--speculative-config``), whose drafts are accepted and whose logprobs are
+still the model's."""
 
 from __future__ import annotations
 
@@ -96,6 +98,55 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     yield result
 
 
+def _model_logprobs(prompt: list[int], ids: list[int]) -> tuple[list[float], list[int]]:
+    """transformers on the same folder: each generated token's logprob given its prefix, and
+    the greedy token at each position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.ensure_tiny()))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    rows = [logp[len(prompt) - 1 + i] for i in range(len(ids))]
+    return [float(r[t]) for r, t in zip(rows, ids, strict=True)], [int(r.argmax()) for r in rows]
+
+
+@dataclass(frozen=True)
+class Speculated:
+    """A greedy completion from the n-gram-speculating server and its accepted draft count."""
+
+    choice: dict[str, Any]
+    accepted: float
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def speculated(served: Served) -> Iterator[Speculated]:  # after `served`: one server at a time
+    model = tiny.ensure_tiny()
+    with VllmServer(venv.ensure_env(), model, speculative=SPEC, eager=True) as srv:
+        body = {
+            "model": str(model),
+            "prompt": "abcabcabcabcabc",  # repeats: the n-gram drafter finds proposals
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120.0)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30.0).text
+    accepted = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+    )
+    yield Speculated(dict(r.json()["choices"][0]), accepted)
+
+
 def test_env_is_built_and_stamped() -> None:
     env = venv.found_env()
     assert env is not None and env.version == venv.VERSION
@@ -138,17 +189,19 @@ def test_seeded_completion_has_token_ids_and_logprobs(served: Served) -> None:
 def test_logprobs_are_the_models_own(served: Served) -> None:
     """vLLM's raw logprobs (its default mode) are the model's log-softmax: the same weights
     run by transformers give the same numbers, position by position."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny.ensure_tiny()))
-    prompt, ids = served.first["prompt_token_ids"], served.first["token_ids"]
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0]
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    want = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(ids)]
+    want, _ = _model_logprobs(served.first["prompt_token_ids"], served.first["token_ids"])
     got = served.first["logprobs"]["token_logprobs"]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_ngram_speculation_is_accepted_and_keeps_the_models_logprobs(
+    speculated: Speculated,
+) -> None:
+    assert speculated.accepted > 0  # it did speculate: drafts were proposed and accepted
+    choice = speculated.choice
+    want, greedy = _model_logprobs(choice["prompt_token_ids"], choice["token_ids"])
+    assert choice["token_ids"] == greedy  # greedy decoding is unchanged by speculation
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
 
 
 def test_server_argv_is_vllms_module_with_fixed_flags(served: Served) -> None:
