@@ -24,6 +24,7 @@ _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for p
 # `./run test` (benchmarks/bench_suite.py --keep, its JUnit XML); files not named follow,
 # integration before unit.
 FIRST = (
+    "tests/integration/test_vllm_server.py",  # 294 s (two vLLM servers' start-ups, at load 5)
     "tests/integration/test_upstream_server_tests.py",  # 267 s
     "tests/integration/test_rescore_servers.py",  # 140 s
     "tests/integration/test_gemma_logprob_mutants.py",  # 139 s
