@@ -1,17 +1,16 @@
 """vLLM's CPU build for real: the env in specaudit's cache (built here if ``python -m
 specaudit.vllm install`` has not built it), a `VllmServer` on the tiny Llama folder answering
 a seeded ``/v1/completions`` with logprobs and token ids, checked against the same weights run
-by transformers, then stopped with nothing left running; and a server speculating with vLLM's
-n-gram drafter (``--speculative-config``), whose drafts are accepted and whose logprobs are
-still the model's."""
+by transformers; and a server speculating with vLLM's n-gram drafter
+(``--speculative-config``), whose drafts are accepted and whose logprobs are still the model's.
+Both servers are the session's (`vllm_plain`, `vllm_ngram` in tests/integration/conftest.py);
+that a stopped server leaves nothing running is tested on the servers `dist --engine vllm`
+starts and stops (tests/integration/test_dist_vllm.py)."""
 
 from __future__ import annotations
 
+import json
 import math
-import os
-import socket
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,15 @@ from specaudit.vllm.server import VllmServer
 
 PROMPT = "hello"
 TOKENS = 4
-TOP = 3
+TOP = 3  # logprobs asked for: the session servers' --max-logprobs
 
 
 @dataclass(frozen=True)
 class Served:
-    """What the module's one server run left to check: its responses and its processes."""
+    """Two completions of one seed from the session's plain server."""
 
     first: dict[str, Any]
     second: dict[str, Any]
-    pgid: int
-    pids: frozenset[int]
-    port: int
-    argv: tuple[str, ...]
 
 
 def _complete(url: str, model: Path) -> dict[str, Any]:
@@ -57,45 +52,11 @@ def _complete(url: str, model: Path) -> dict[str, Any]:
     return dict(r.json()["choices"][0])
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and parent pid, from /proc (None once it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    state, ppid = text[text.rindex(")") + 2 :].split()[:2]  # the name may hold spaces
-    return state, int(ppid)
-
-
-def _descendants(pid: int) -> frozenset[int]:
-    parent = {}
-    for entry in Path("/proc").iterdir():
-        st = _stat(int(entry.name)) if entry.name.isdigit() else None
-        if st is not None:
-            parent[int(entry.name)] = st[1]
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p and c not in found]
-        found.update(kids)
-        todo.extend(kids)
-    return frozenset(found)
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    env = venv.ensure_env()  # found by its stamp after `python -m specaudit.vllm install`
+def served(vllm_plain: VllmServer) -> Served:
+    assert vllm_plain.max_logprobs >= TOP
     model = tiny.ensure_tiny()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    # eager: no torch.compile warm-up (about 45 s of a 2-core machine per start)
-    with VllmServer(env, model, max_logprobs=TOP, eager=True, log_path=log) as srv:
-        assert srv.proc is not None
-        pids = _descendants(srv.proc.pid) | {srv.proc.pid}
-        first = _complete(srv.url, model)
-        second = _complete(srv.url, model)
-        result = Served(first, second, os.getpgid(srv.proc.pid), pids, srv.port, tuple(srv.argv()))
-    yield result
+    return Served(_complete(vllm_plain.url, model), _complete(vllm_plain.url, model))
 
 
 def _model_logprobs(prompt: list[int], ids: list[int]) -> tuple[list[float], list[int]]:
@@ -120,31 +81,33 @@ class Speculated:
     accepted: float
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-
-
-@pytest.fixture(scope="module")
-def speculated(served: Served) -> Iterator[Speculated]:  # after `served`: one server at a time
-    model = tiny.ensure_tiny()
-    with VllmServer(venv.ensure_env(), model, speculative=SPEC, eager=True) as srv:
-        body = {
-            "model": str(model),
-            "prompt": "abcabcabcabcabc",  # repeats: the n-gram drafter finds proposals
-            "max_tokens": 12,
-            "temperature": 0.0,
-            "logprobs": 1,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120.0)
-        assert r.status_code == 200, r.text
-        metrics = httpx.get(f"{srv.url}/metrics", timeout=30.0).text
-    accepted = sum(
+def _accepted(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=30.0).text
+    return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
         if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
     )
-    yield Speculated(dict(r.json()["choices"][0]), accepted)
+
+
+@pytest.fixture(scope="module")
+def speculated(vllm_ngram: VllmServer) -> Speculated:
+    """A greedy completion from the session's n-gram server; its acceptances are the counter's
+    growth across it (the server is shared)."""
+    model = tiny.ensure_tiny()
+    body = {
+        "model": str(model),
+        "prompt": "abcabcabcabcabc",  # repeats: the n-gram drafter finds proposals
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    before = _accepted(vllm_ngram.url)
+    r = httpx.post(f"{vllm_ngram.url}/v1/completions", json=body, timeout=120.0)
+    assert r.status_code == 200, r.text
+    return Speculated(dict(r.json()["choices"][0]), _accepted(vllm_ngram.url) - before)
 
 
 def test_env_is_built_and_stamped() -> None:
@@ -204,34 +167,14 @@ def test_ngram_speculation_is_accepted_and_keeps_the_models_logprobs(
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
 
 
-def test_server_argv_is_vllms_module_with_fixed_flags(served: Served) -> None:
-    argv = list(served.argv)
+def test_server_argv_is_vllms_module_with_fixed_flags(
+    vllm_plain: VllmServer, vllm_ngram: VllmServer
+) -> None:
+    argv = vllm_plain.argv()
     assert argv[argv.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
     assert argv[argv.index("--generation-config") + 1] == "vllm"
-    assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in argv
-
-
-def test_nothing_is_left_running(served: Served) -> None:
-    """Gone within seconds of `stop`: SIGKILL is delivered at once, but a process of several
-    GB takes a moment to exit, and init reaps what the killed API server leaves behind."""
-    assert len(served.pids) >= 2  # the API server and vLLM's engine processes
-    deadline = time.monotonic() + 15.0
-    while _group_exists(served.pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _group_exists(served.pgid)
-    assert [p for p in served.pids if _running(p)] == []
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", served.port))  # the port is free again
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _running(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"  # a zombie is dead, waiting to be reaped
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in argv and "--speculative-config" not in argv
+    spec = vllm_ngram.argv()
+    assert json.loads(spec[spec.index("--speculative-config") + 1]) == vllm_ngram.speculative
+    assert vllm_ngram.speculative is not None and vllm_ngram.speculative["method"] == "ngram"
