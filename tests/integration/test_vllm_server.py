@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
+from specaudit.distribution import vllm as dv
 from specaudit.vllm import env as venv
 from specaudit.vllm import tiny
 from specaudit.vllm.server import VllmServer
 
+# the session's two vLLM servers start in the first tests that use them: 2-5 min each with
+# other work running (load 14-21)
+pytestmark = pytest.mark.timeout(3600)
 PROMPT = "hello"
 TOKENS = 4
 TOP = 3  # logprobs asked for: the session servers' --max-logprobs
@@ -75,25 +80,26 @@ def _model_logprobs(prompt: list[int], ids: list[int]) -> tuple[list[float], lis
 
 @dataclass(frozen=True)
 class Speculated:
-    """A greedy completion from the n-gram-speculating server and its accepted draft count."""
+    """A greedy completion from the n-gram-speculating server, the speculation counters'
+    growth across it as read the moment it returned (`at_return`) and a second later
+    (`settled`)."""
 
     choice: dict[str, Any]
-    accepted: float
+    at_return: dict[str, float]
+    settled: dict[str, float]
 
 
-def _accepted(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=30.0).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
-    )
+def _counters(url: str) -> dict[str, float]:
+    return dv.counters(httpx.get(f"{url}/metrics", timeout=30.0).text)
+
+
+def _growth(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 @pytest.fixture(scope="module")
 def speculated(vllm_ngram: VllmServer) -> Speculated:
-    """A greedy completion from the session's n-gram server; its acceptances are the counter's
-    growth across it (the server is shared)."""
+    """The counters' growth is measured around the request: the server is the session's."""
     model = tiny.ensure_tiny()
     body = {
         "model": str(model),
@@ -104,10 +110,15 @@ def speculated(vllm_ngram: VllmServer) -> Speculated:
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
-    before = _accepted(vllm_ngram.url)
+    before = _counters(vllm_ngram.url)
     r = httpx.post(f"{vllm_ngram.url}/v1/completions", json=body, timeout=120.0)
+    at_return = _counters(vllm_ngram.url)
     assert r.status_code == 200, r.text
-    return Speculated(dict(r.json()["choices"][0]), _accepted(vllm_ngram.url) - before)
+    time.sleep(1.0)
+    settled = _counters(vllm_ngram.url)
+    return Speculated(
+        dict(r.json()["choices"][0]), _growth(at_return, before), _growth(settled, before)
+    )
 
 
 def test_env_is_built_and_stamped() -> None:
@@ -160,7 +171,7 @@ def test_logprobs_are_the_models_own(served: Served) -> None:
 def test_ngram_speculation_is_accepted_and_keeps_the_models_logprobs(
     speculated: Speculated,
 ) -> None:
-    assert speculated.accepted > 0  # it did speculate: drafts were proposed and accepted
+    assert speculated.settled[dv.ACCEPTED] > 0  # it did speculate: drafts were accepted
     choice = speculated.choice
     want, greedy = _model_logprobs(choice["prompt_token_ids"], choice["token_ids"])
     assert choice["token_ids"] == greedy  # greedy decoding is unchanged by speculation
@@ -178,3 +189,12 @@ def test_server_argv_is_vllms_module_with_fixed_flags(
     spec = vllm_ngram.argv()
     assert json.loads(spec[spec.index("--speculative-config") + 1]) == vllm_ngram.speculative
     assert vllm_ngram.speculative is not None and vllm_ngram.speculative["method"] == "ngram"
+
+
+def test_speculation_counters_are_complete_when_a_completion_returns(
+    speculated: Speculated,
+) -> None:
+    """What `dist --engine vllm` relies on to give each request its own drafted and accepted
+    counts (the /metrics deltas around it, requests one at a time)."""
+    assert speculated.at_return[dv.DRAFTED] >= speculated.at_return[dv.ACCEPTED] > 0
+    assert speculated.at_return == speculated.settled
