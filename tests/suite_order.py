@@ -24,6 +24,10 @@ _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for p
 # `./run test` (benchmarks/bench_suite.py --keep, its JUnit XML); files not named follow,
 # integration before unit.
 FIRST = (
+    # vLLM: each file starts two or three vLLM servers (minutes each on a busy 2-core machine);
+    # measured alone or beside each other on a shared machine (load 4-22), not in `./run test`
+    "tests/integration/test_dist_vllm.py",  # 705 s (411 s plain, ngram; 294 s crash)
+    "tests/integration/test_vllm_server.py",  # 294 s alone; 723 s beside test_dist_vllm.py
     "tests/integration/test_upstream_server_tests.py",  # 267 s
     "tests/integration/test_rescore_servers.py",  # 140 s
     "tests/integration/test_gemma_logprob_mutants.py",  # 139 s

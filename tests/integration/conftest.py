@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -33,6 +34,10 @@ from specaudit import audit, distribution, fixtures, llama
 from specaudit.llama import presets
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import Patch, resolve_all
+
+if TYPE_CHECKING:
+    from specaudit.vllm.env import VllmEnv
+    from specaudit.vllm.server import VllmServer
 
 
 @dataclass(frozen=True)
@@ -185,3 +190,53 @@ def server(audit_ctx: audit.AuditContext) -> Callable[[str], ServerHandle]:
         return ServerHandle(name, srv.url, spec.model, spec.speculative, srv.spec_type)
 
     return get
+
+
+# vLLM (its CPU build): one plain and one n-gram-speculating server on the tiny Llama for the
+# whole session, each started by the first test that asks for it and stopped at the session's
+# end. A start costs minutes of a 2-core machine (two processes importing torch). One file
+# uses them (tests/integration/test_vllm_server.py); a second would join it in a group of
+# `suite_order.SHARED_SESSION_GROUPS`, or each xdist worker would start its own. A test that
+# needs the process itself (its stop, what it leaves running) starts its own: `dist --engine
+# vllm` does (tests/integration/test_dist_vllm.py).
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+VLLM_MAX_LOGPROBS = 3
+# a ceiling, not a wait: a start took 2-5 min here with other work running (load 14-21), and a
+# server that never gets healthy still fails then
+VLLM_STARTUP_TIMEOUT = 900.0
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> VllmEnv:
+    """The vLLM env, found by its stamp after ``python -m specaudit.vllm install`` (built here
+    otherwise: never skipped)."""
+    from specaudit.vllm.env import ensure_env
+
+    return ensure_env()
+
+
+@pytest.fixture(scope="session")
+def vllm_plain(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    from specaudit.vllm.server import VllmServer
+    from specaudit.vllm.tiny import ensure_tiny
+
+    log = tmp_path_factory.mktemp("vllm-plain") / "vllm.log"
+    # eager: no torch.compile warm-up (about 45 s of a 2-core machine per start)
+    with VllmServer(
+        vllm_env, ensure_tiny(), max_logprobs=VLLM_MAX_LOGPROBS, eager=True, log_path=log,
+        startup_timeout=VLLM_STARTUP_TIMEOUT,
+    ) as srv:  # fmt: skip
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def vllm_ngram(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    from specaudit.vllm.server import VllmServer
+    from specaudit.vllm.tiny import ensure_tiny
+
+    log = tmp_path_factory.mktemp("vllm-ngram") / "vllm.log"
+    with VllmServer(
+        vllm_env, ensure_tiny(), speculative=VLLM_NGRAM, max_logprobs=VLLM_MAX_LOGPROBS,
+        eager=True, log_path=log, startup_timeout=VLLM_STARTUP_TIMEOUT,
+    ) as srv:  # fmt: skip
+        yield srv

@@ -67,7 +67,9 @@ def test_an_unregistered_engine_is_a_usage_error(cli: CliFn) -> None:
 
 def test_the_builtin_entries_declare_what_they_need() -> None:
     e = {x.name: x for x in registry.entries()}
-    assert list(e) == ["server", "speculative-example", "url", "openai", "transformers", "openvino"]
+    assert list(e) == [
+        "server", "speculative-example", "url", "openai", "transformers", "openvino", "vllm",
+    ]  # fmt: skip
     assert registry.binary_engines() == ("server", "speculative-example")
     assert registry.url_engines() == ("url", "openai")
     assert e["transformers"].extra == "transformers"
@@ -75,6 +77,7 @@ def test_the_builtin_entries_declare_what_they_need() -> None:
     assert [o.flag for o in e["transformers"].options] == ["--generator"]
     assert e["openvino"].extra == "openvino"
     assert [o.flag for o in e["openvino"].options] == ["--ov-path", "--ov-logprobs"]
+    assert [o.flag for o in e["vllm"].options] == ["--vllm-method"]
 
 
 def test_two_engines_cannot_share_an_option() -> None:
@@ -132,7 +135,8 @@ def test_an_engine_installed_as_a_package_runs_through_dist(toy: None, tmp_path:
     (eng,) = distribution.run(req).engines
     assert eng.engine == "toy (greedy)" and eng.verdict.value == "BROKEN"
     assert registry.names() == (
-        "server", "speculative-example", "url", "openai", "transformers", "openvino", "toy",
+        "server", "speculative-example", "url", "openai", "transformers", "openvino", "vllm",
+        "toy",
     )  # fmt: skip
 
 
@@ -237,7 +241,7 @@ def test_reading_the_registry_imports_no_engine_extra() -> None:
     code = (
         "import sys\n"
         "from specaudit.distribution import registry\n"
-        "assert registry.names()[-1] == 'openvino'\n"
+        "assert registry.names()[-1] == 'vllm'\n"
         "print([m for m in ('torch', 'transformers', 'openvino', 'openvino_genai')"
         " if m in sys.modules])\n"
     )

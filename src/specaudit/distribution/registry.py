@@ -104,6 +104,7 @@ BUILTIN = (
     "specaudit.distribution.openai",
     "specaudit.distribution.hf",  # transformers
     "specaudit.distribution.openvino",
+    "specaudit.distribution.vllm",
 )
 
 _ENTRIES: dict[str, EngineEntry] = {}

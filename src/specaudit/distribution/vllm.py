@@ -1,0 +1,485 @@
+"""The vLLM engine: vLLM's OpenAI server (its CPU build, from `specaudit.vllm`'s env) started
+by `dist` on the fixture, one server per speculative method, each always stopped.
+
+Life cycle (`build`), in this order:
+- the fixture is exported as Hugging Face folders (`fixtures.hf.export_hf`: vLLM has no GGUF
+  loader for it), at head size `MIN_HEAD_SIZE` when the fixture's is smaller (vLLM's CPU
+  attention takes head sizes 32 to 512; the last-token fixture's 8 is widened with zeros, and
+  the export proves its logits bitwise equal to the GGUF's and its probabilities the closed
+  form's before anything else runs);
+- per method (`METHODS`): a `VllmServer` on the exported target, whose own probabilities are
+  compared with the closed form before any seed is sampled (`measure_truth`: vLLM's raw
+  logprobs of every token on the prompt and each one-letter continuation; beyond
+  `TRUTH_TOLERANCE` it is a DistError, not a verdict); then the seeds; then the server stops.
+
+Sampler: vLLM applies temperature, then min-p, then top-k and top-p; llama.cpp's chain (the
+closed form) applies top-k, top-p, min-p, then temperature. They give the same distribution
+when temperature is 1 and min-p and top-p are not both on, or when top-p is 1 and min-p 0
+(top-k commutes with a positive temperature, min-p with top-k). `check_sampler` refuses
+everything else in one line, as the transformers and OpenVINO engines do.
+
+Samples: one ``/v1/completions`` per seed, the prompt as token ids, the generated ids read
+from ``return_token_ids`` (no detokenisation in between). Requests go one at a time: vLLM
+reports speculation only as process-wide counters on ``/metrics``, so a request's drafted and
+accepted counts are the deltas of ``vllm:spec_decode_num_draft_tokens_total`` and
+``vllm:spec_decode_num_accepted_tokens_total`` across it.
+
+A server that fails to start, or dies while sampled, is one DistError line naming the method
+and the setting (exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from specaudit import fixtures
+from specaudit.distribution.inprocess import TruthCheck, one_line
+from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
+from specaudit.distribution.request import DistRequest
+from specaudit.distribution.results import DistError, EngineResult, Sample, Workload
+from specaudit.distribution.truth import encode_ids
+from specaudit.errors import SpecauditError
+from specaudit.llama.process import last_error, log_tail
+
+METHODS = ("plain", "ngram", "draft_model", "suffix")
+DEFAULT_METHODS = ("plain", "ngram")
+SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
+METHOD_HELP = {
+    "plain": "no speculation",
+    "ngram": f"ngram, num_speculative_tokens={SPECULATIVE_TOKENS}, prompt_lookup 1-3 (n-grams "
+    "of the context, no draft model)",
+    "draft_model": f"draft_model on the fixture's draft, num_speculative_tokens="
+    f"{SPECULATIVE_TOKENS}",
+    "suffix": f"suffix (suffix trees of the context), num_speculative_tokens={SPECULATIVE_TOKENS}",
+}
+NOT_RUNNABLE = (
+    ("vllm eagle, eagle3", "need an EAGLE head trained on the target's hidden states"),
+    ("vllm mtp", "needs a model with multi-token-prediction layers; a llama has none"),
+    ("vllm medusa, mlp_speculator", "need trained speculator heads"),
+)
+# seconds a server may take to get healthy: a ceiling, not a wait (2-6.5 min measured here
+# with other work running, load 14-21; the server's own default is 300)
+STARTUP_TIMEOUT = 900.0
+MIN_HEAD_SIZE = 32  # vLLM's CPU attention: head sizes 32 to 512
+TRUTH_TOLERANCE = 1e-5  # max |vLLM's probability - closed form| before sampling
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+ORDER = "temperature, then min-p, then top-k and top-p"
+
+
+# ------------------------------------------------------------------------ the sampler
+
+
+def differs(s: fixtures.SamplerSettings) -> str | None:
+    """Why vLLM's order samples `s` differently from the closed form; None when it does not."""
+    if s.temperature <= 0:
+        return "--engine vllm samples: --temperature must be > 0"
+    if s.min_p > 0 and s.top_p < 1:
+        return "min-p before top-p renormalises what top-p sums: use --min-p 0 or --top-p 1"
+    if s.temperature != 1 and (s.top_p < 1 or s.min_p > 0):
+        return "at --temperature != 1 use --top-p 1 --min-p 0"
+    return None
+
+
+def check_sampler(s: fixtures.SamplerSettings) -> None:
+    """Refuse, in one line, the settings where vLLM's order differs from the closed form."""
+    why = differs(s)
+    if why is None:
+        return
+    if s.temperature <= 0:
+        raise DistError(why)
+    raise DistError(f"--engine vllm applies {ORDER} (llama.cpp: temperature last): {why}")
+
+
+def vllm_order(p: np.ndarray, s: fixtures.SamplerSettings) -> np.ndarray:
+    """What vLLM samples from given the model's probabilities `p`: temperature, min-p, top-k,
+    top-p (vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py), each renormalising."""
+    with np.errstate(divide="ignore"):
+        z = np.log(np.asarray(p, dtype=np.float64)) / s.temperature
+    q = np.exp(z - z.max())
+    q /= q.sum()
+    if s.min_p > 0:
+        q = np.where(q < s.min_p * q.max(), 0.0, q)
+        q /= q.sum()
+    order = np.argsort(-q, kind="stable")
+    if s.top_k > 0:
+        q[order[s.top_k :]] = 0.0
+        q /= q.sum()
+    if s.top_p < 1:
+        kept = q[order]
+        before = np.cumsum(kept) - kept  # mass of the more likely tokens
+        q[order[before >= s.top_p]] = 0.0
+        q /= q.sum()
+    return q
+
+
+# ------------------------------------------------------------------------ the server
+
+
+def speculative_config(method: str, draft: Path) -> dict[str, Any] | None:
+    """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain."""
+    n = SPECULATIVE_TOKENS
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": n,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+    if method == "draft_model":
+        return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": n}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": n}
+    raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
+
+
+def setting(label: str, s: fixtures.SamplerSettings) -> str:
+    """An engine's label (vLLM, its version, the method) and sampler setting, as an error
+    names them."""
+    return (
+        f"{label} (temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g}, "
+        f"min-p {s.min_p:g})"
+    )
+
+
+def counters(text: str, names: Sequence[str] = (DRAFTED, ACCEPTED)) -> dict[str, float]:
+    """The sum over labels of each counter in `names` in Prometheus text; absent ones left
+    out (a plain server has no speculation counters)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class VllmEngine:
+    """One running vLLM server of one method, sampled one seed at a time (`concurrency` 1:
+    the /metrics deltas around a request are that request's)."""
+
+    concurrency = 1
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        spec: fixtures.FixtureSpec,
+        workload: Workload,
+        method: str,
+        *,
+        family: str,
+        alive: Callable[[], bool] | None = None,
+        log: Path | None = None,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.spec = spec
+        self.workload = workload
+        self.method = method
+        self.label = f"{family} {method}"
+        self.kind = f"vllm-{method}"
+        self.speculative = method != "plain"
+        self.where = setting(self.label, workload.sampler)
+        self._alive = alive  # is the server still running?
+        self._log = log  # the server's log: a failure names it and its last error
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport)
+        self._lock = asyncio.Lock()
+        self._last: dict[str, float] | None = None
+        s = workload.sampler
+        self._body: dict[str, Any] = {
+            "model": model,
+            "prompt": spec.tokenize(workload.prompt),
+            "max_tokens": workload.tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,  # 0: off, as in llama.cpp
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "return_token_ids": True,
+            "stream": False,
+        }
+
+    def body(self, seed: int) -> dict[str, Any]:
+        return {**self._body, "seed": seed}
+
+    def _failed(self, what: str) -> DistError:
+        dead = self._alive is not None and not self._alive()
+        why = f"{'the server died: ' if dead else ''}{what}"
+        if self._log is not None:
+            why += f" (log {self._log}: {root_cause(self._log)})"
+        return DistError(f"{self.where}: {why}")
+
+    async def _counters(self) -> dict[str, float]:
+        try:
+            r = await self._http.get("/metrics")
+        except httpx.HTTPError as e:
+            raise self._failed(f"/metrics: {type(e).__name__}: {one_line(e, 200)}") from None
+        if r.status_code != 200:
+            raise self._failed(f"/metrics answered {r.status_code}")
+        return counters(r.text)
+
+    async def sample(self, seed: int) -> Sample:
+        async with self._lock:
+            if self._last is None:
+                self._last = await self._counters() if self.speculative else {}
+            try:
+                r = await self._http.post("/v1/completions", json=self.body(seed))
+            except httpx.HTTPError as e:
+                raise self._failed(f"seed {seed}: {type(e).__name__}: {one_line(e, 200)}") from None
+            if r.status_code != 200:
+                raise self._failed(f"seed {seed}: HTTP {r.status_code}: {one_line_text(r.text)}")
+            # a server without speculation has no counters: its requests need no scrape
+            now = await self._counters() if self.speculative else self._last
+            before, self._last = self._last, now
+        choices = r.json().get("choices")
+        ids = choices[0].get("token_ids") if isinstance(choices, list) and choices else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise self._failed(f"seed {seed}: the answer has no choices[0].token_ids")
+        drafted = accepted = None
+        if DRAFTED in now:
+            drafted = round(now[DRAFTED] - before.get(DRAFTED, 0.0))
+            accepted = round(now.get(ACCEPTED, 0.0) - before.get(ACCEPTED, 0.0))
+        return Sample(seed, encode_ids(ids, self.workload.tokens, self.spec), drafted, accepted)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+_RAISED = re.compile(r"\b([A-Za-z_.]*(?:Error|Exception)): (.*)")
+
+
+def root_cause(log: Path) -> str:
+    """The exception that stopped vLLM, from its log: the last ``SomethingError: why`` line that
+    is not the API server's EngineDeadError (which only says to look above); else the log's
+    last error line."""
+    tail = log_tail(log, lines=400)
+    found = ""
+    for line in tail.splitlines():
+        m = _RAISED.search(line)
+        if m and "EngineDeadError" not in m.group(1) and "Worker failed" not in m.group(2):
+            found = f"{m.group(1)}: {m.group(2).strip()}"
+    return one_line_text(found or last_error(tail), 300)
+
+
+def one_line_text(text: str, limit: int = 200) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def truth_contexts(spec: fixtures.FixtureSpec, workload: Workload) -> list[str]:
+    """The generated prefixes the truth check asks about: none, and each letter."""
+    return ["", *spec.letters]
+
+
+def measure_truth(
+    url: str, model: str, spec: fixtures.FixtureSpec, workload: Workload, method: str
+) -> TruthCheck:
+    """The server's own next-token probabilities (raw logprobs of all `spec.n_vocab` tokens,
+    one token generated at temperature 1) after the prompt and each one-letter continuation,
+    against the closed form; and `vllm_order` on them against the closed form's sampler."""
+    max_raw = max_processed = 0.0
+    ctxs = truth_contexts(spec, workload)
+    with httpx.Client(base_url=url, timeout=60.0) as c:
+        for prefix in ctxs:
+            text = workload.prompt + prefix
+            body = {
+                "model": model,
+                "prompt": spec.tokenize(text),
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "seed": 0,
+                "logprobs": spec.n_vocab,
+                "return_tokens_as_token_ids": True,
+            }
+            r = c.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise DistError(
+                    f"{setting(f'{family()} {method}', workload.sampler)}: the truth check's "
+                    "request answered "
+                    f"{r.status_code}: {one_line_text(r.text)}"
+                )
+            top = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+            got = np.zeros(spec.n_vocab)
+            for tok, lp in top.items():
+                i = int(tok.removeprefix("token_id:"))
+                if 0 <= i < spec.n_vocab:
+                    got[i] = math.exp(lp)
+            want = np.array(list(fixtures.raw_distribution(spec, text).values()))
+            cond = fixtures.next_token_distribution(spec, text, workload.sampler)
+            max_raw = max(max_raw, float(np.abs(got - want).max()))
+            proc = vllm_order(got, workload.sampler)
+            max_processed = max(
+                max_processed, float(np.abs(proc - np.array(list(cond.values()))).max())
+            )
+    return TruthCheck(
+        f"vLLM {method}", "next-token probabilities", "the closed form", len(ctxs), "contexts",
+        max_raw, max_processed, "in vLLM's sampler order", TRUTH_TOLERANCE,
+    )  # fmt: skip
+
+
+def family() -> str:
+    from specaudit.vllm.env import VERSION
+
+    return f"vLLM {VERSION} (CPU)"
+
+
+def row(result: EngineResult) -> tuple[str, str]:
+    """The audit's engines table: (vLLM and its version, the method)."""
+    return family(), result.kind.removeprefix("vllm-")
+
+
+# ------------------------------------------------------------------------ registration
+
+
+def check(req: DistRequest) -> None:
+    """Called once by `make_request`: settings vLLM samples like the closed form, known
+    methods."""
+    check_sampler(req.workload.sampler)
+    check_methods(req.option("vllm_methods") or DEFAULT_METHODS)
+
+
+def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(methods))
+    for m in out:
+        if m not in METHODS:
+            raise DistError(f"unknown vllm method {m!r} (one of {', '.join(METHODS)})")
+    return out
+
+
+@contextlib.contextmanager
+def exported(req: DistRequest) -> Iterator[Any]:
+    """The request's fixture exported for vLLM (`fixtures.hf`), proven, removed afterwards."""
+    from specaudit.fixtures import hf
+
+    head = max(MIN_HEAD_SIZE, req.fixture.spec.config.head_dim)
+    parent = req.work_dir
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="vllm-export-", dir=parent))
+    try:
+        yield hf.export_hf(req.fixture, root, head_size=head)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
+    """What every `VllmServer` of the engine is started with: logprobs of the whole
+    vocabulary (the truth check), the fixture's context, no torch.compile warm-up."""
+    return {
+        "max_logprobs": max(20, spec.n_vocab),
+        "max_model_len": min(spec.config.context_length, 1024),
+        "eager": True,
+        "startup_timeout": STARTUP_TIMEOUT,
+    }
+
+
+def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    from specaudit.vllm.env import ensure_env
+    from specaudit.vllm.server import VllmServer
+
+    methods = check_methods(req.option("vllm_methods") or DEFAULT_METHODS)
+    spec, wl = req.fixture.spec, req.workload
+    ctx.not_covered.extend(NOT_RUNNABLE)
+    env = ensure_env()
+    with exported(req) as ex:
+        logits = "bitwise equal to" if ex.bitwise else f"within {ex.logits_max_diff:.1e} of"
+        ctx.notes.append(
+            f"vLLM runs the fixture exported at head size {ex.head_size} (its own "
+            f"{ex.source_head_size}): logits {logits} the GGUF's on {ex.prefixes} contexts, "
+            f"probabilities within {ex.max_abs_diff:.1e} of the closed form (transformers)"
+        )
+        for method in methods:
+            where = setting(f"{family()} {method}", wl.sampler)
+            log = (req.work_dir / f"vllm-{method}.log") if req.work_dir else None
+            srv = VllmServer(
+                env, ex.target, speculative=speculative_config(method, ex.draft),
+                log_path=log, **server_args(spec),
+            )  # fmt: skip
+            try:
+                srv.start()
+            except SpecauditError as e:
+                srv.stop(keep_log=True)
+                raise DistError(f"{where}: {one_line(e)}") from None
+            try:
+                model = str(ex.target)
+                ctx.notes.append(measure_truth(srv.url, model, spec, wl, method).require().line())
+                eng = VllmEngine(
+                    srv.url, model, spec, wl, method, family=family(), alive=srv.alive,
+                    log=srv.log_path, timeout=req.timeout,
+                )  # fmt: skip
+                yield Unit(eng)
+            except httpx.HTTPError as e:
+                dead = "" if srv.alive() else "the server died: "
+                raise DistError(f"{where}: {dead}{type(e).__name__}: {one_line(e)}") from None
+            except GeneratorExit:  # closed early: measuring failed, or the run stopped
+                srv.stop(keep_log=True)  # a failure names the log: it stays
+                raise
+            finally:
+                srv.stop(keep_log=not srv.alive())
+
+
+VLLM = EngineEntry(
+    "vllm",
+    build,
+    help="vLLM's OpenAI server (CPU build, its own env: python -m specaudit.vllm install) "
+    "started on the fixture exported as Hugging Face folders (--vllm-method; needs "
+    "specaudit[transformers] for the export)",
+    extra="transformers",
+    options=(
+        EngineOption(
+            "--vllm-method",
+            "vllm_methods",
+            METHODS,
+            "Speculative method(s) of --engine vllm, one server each, repeatable [default: "
+            f"{' and '.join(DEFAULT_METHODS)}]: "
+            + "; ".join(f"{m}: {h}" for m, h in METHOD_HELP.items())
+            + ".",
+        ),
+    ),
+    check=check,
+    row=row,
+)
+
+
+def register_engines(register: Register) -> None:
+    """The registry's hook (`dist.registry.BUILTIN`)."""
+    register(VLLM)
+
+
+__all__ = [
+    "ACCEPTED",
+    "DEFAULT_METHODS",
+    "DRAFTED",
+    "METHODS",
+    "METHOD_HELP",
+    "MIN_HEAD_SIZE",
+    "NOT_RUNNABLE",
+    "TRUTH_TOLERANCE",
+    "VLLM",
+    "VllmEngine",
+    "check",
+    "check_sampler",
+    "counters",
+    "differs",
+    "measure_truth",
+    "register_engines",
+    "speculative_config",
+    "vllm_order",
+]
