@@ -274,7 +274,7 @@ def test_bad_workloads(kw: dict[str, Any], msg: str) -> None:
 def test_bad_engines_and_numbers(tmp_path: Path) -> None:
     fs = fixtures.build(tmp_path / "fx")
     with pytest.raises(distribution.DistError, match="unknown engine"):
-        distribution.make_request(["vllm"], fixture=fs)
+        distribution.make_request(["sglang"], fixture=fs)
     with pytest.raises(distribution.DistError, match="needs --url"):
         distribution.make_request(["url"], fixture=fs)
     with pytest.raises(distribution.DistError, match="--seeds"):
