@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from conftest import CliFn
 from specaudit import distribution, fixtures
 from specaudit.distribution import vllm as dv
 from specaudit.distribution.truth import encode_ids
+
+CliFn = Callable[..., tuple[int, str, str]]
 
 SPEC = fixtures.spec_for_kind("last-token")
 GRID = list(
