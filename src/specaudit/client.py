@@ -93,6 +93,14 @@ def _decode(r: httpx.Response, url: str) -> JSON:
     return body if isinstance(body, dict) else {"_list": body}
 
 
+def _decode_text(r: httpx.Response, url: str) -> str:
+    """A text answer (Prometheus ``/metrics``); an HTTP error as `_decode` raises it."""
+    if r.status_code >= 400:
+        msg = r.text.strip().replace("\n", " ")[:200]
+        raise ClientError(f"{url} answered HTTP {r.status_code}: {msg}", r.status_code)
+    return r.text
+
+
 def parse_sse(raw: bytes) -> StreamResult:
     """Parse a whole SSE body (``data: ...`` lines) into JSON events."""
     out = StreamResult(raw=raw)
@@ -154,6 +162,14 @@ class Client:
         except httpx.HTTPError as e:
             raise ClientError(_describe(e, url)) from None
         return _decode(r, url)
+
+    def get_text(self, path: str) -> str:
+        url = _url(self.base_url, path)
+        try:
+            r = self._http.get(url)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode_text(r, url)
 
     def post(self, path: str, body: JSON) -> JSON:
         url = _url(self.base_url, path)
@@ -236,6 +252,14 @@ class AsyncClient:
         except httpx.HTTPError as e:
             raise ClientError(_describe(e, url)) from None
         return _decode(r, url)
+
+    async def get_text(self, path: str) -> str:
+        url = _url(self.base_url, path)
+        try:
+            r = await self._http.get(url)
+        except httpx.HTTPError as e:
+            raise ClientError(_describe(e, url)) from None
+        return _decode_text(r, url)
 
     async def post(self, path: str, body: JSON) -> JSON:
         url = _url(self.base_url, path)

@@ -1,5 +1,5 @@
-"""Does a server speculate? The one place that reads `/slots`, `/props` and a response's own
-``generation_settings`` for that.
+"""Does a server speculate? The one place that reads `/slots`, `/props`, a response's own
+``generation_settings`` and vLLM's ``/metrics`` for that.
 
 Why one module: llama-server's ``/props`` says ``speculative.types: none`` even when it
 speculates, while ``/slots`` reports ``"speculative": true`` per slot. Every capability (check,
@@ -7,11 +7,17 @@ ab, dist, the audit, the proxy) needs the same answer, and five hand-rolled read
 already drifted apart (truthiness vs ``is True``, a list-valued ``speculative.types`` rendered
 two ways). The parsing here is pure (bodies in, a typed record out), so it is unit-tested on
 recorded real responses; `read` and `aread` are thin sync and async callers.
+
+vLLM has neither `/slots` nor `/props`. Its Prometheus ``/metrics`` registers the
+``vllm:spec_decode_*`` counters only when the server was started with a speculative config, so
+their presence among its ``vllm:`` metrics says that it speculates, their absence that it does
+not (`parse_metrics`); `read` asks ``/metrics`` when `/slots` cannot be read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +37,39 @@ class SlotsReading:
     busy: int | None = None  # slots processing a request right now (``is_processing``)
 
 
+# vLLM's speculative-decoding counters (vllm/v1/metrics/loggers.py, SpecDecodingProm)
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+@dataclass(frozen=True)
+class MetricsReading:
+    """What a Prometheus ``/metrics`` text says about speculation; `engine` is "vLLM" when it
+    has vLLM's own metrics (None: not vLLM, or `note` says why nothing was read)."""
+
+    engine: str | None = None
+    drafted: int | None = None  # draft tokens proposed since the server started
+    accepted: int | None = None
+    note: str | None = None
+
+    @property
+    def speculates(self) -> bool | None:
+        if self.engine is None:
+            return None
+        return self.drafted is not None
+
+    def describe(self) -> str:
+        if self.speculates:
+            return (
+                f"vLLM's /metrics has speculative-decoding counters ({self.drafted} draft "
+                f"tokens, {self.accepted} accepted since it started)"
+            )
+        if self.engine is not None:
+            return "vLLM's /metrics has no speculative-decoding counters"
+        return self.note or "/metrics has no vLLM metrics"
+
+
 @dataclass(frozen=True)
 class SpeculationInfo:
     """Whether a server speculates, in the words of each source."""
@@ -38,6 +77,7 @@ class SpeculationInfo:
     slots: SlotsReading
     props_types: str | None = None  # /props default_generation_settings speculative.types
     total_slots: int | None = None  # /props total_slots
+    metrics: MetricsReading | None = None  # /metrics, read when /slots could not be
 
     @property
     def slots_total(self) -> int | None:
@@ -53,14 +93,17 @@ class SpeculationInfo:
 
     @property
     def speculates(self) -> bool | None:
-        """The truth from /slots; None when /slots could not be read."""
+        """The truth from /slots, else from vLLM's /metrics; None when neither says."""
         if self.slots.speculative is None:
-            return None
+            return self.metrics.speculates if self.metrics is not None else None
         return self.slots.speculative > 0
 
     @property
     def hidden(self) -> bool:
-        """Speculates while /props claims it does not."""
+        """Speculates while /props claims it does not (vLLM, without /props, says it openly
+        in /metrics)."""
+        if self.slots.speculative is None:
+            return False
         return bool(self.speculates) and claims_none(self.props_types)
 
     @property
@@ -75,6 +118,9 @@ class SpeculationInfo:
     def describe(self) -> str:
         """One line for tables: 'hidden: /props says none, /slots says 4/4 speculate'."""
         if self.slots.total is None:
+            if self.metrics is not None and self.metrics.speculates is not None:
+                lead = "speculates" if self.metrics.speculates else "does not speculate"
+                return f"{lead}: {self.metrics.describe()}"
             return f"unknown: {self.slots.note or 'no /slots'}"
         n, k = self.slots.total, self.slots.speculative or 0
         if k and claims_none(self.props_types):
@@ -150,15 +196,55 @@ def response_types(body: Any) -> str | None:
     return format_types(gs.get("speculative.types", gs.get("speculative.type")))
 
 
+def prometheus_counters(text: str, names: Sequence[str]) -> dict[str, float]:
+    """The sum over labels of each counter in `names` in Prometheus text; absent ones left
+    out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def parse_metrics(text: str) -> MetricsReading:
+    """vLLM's speculation from its ``/metrics`` text: its spec-decode counters, registered only
+    when it speculates. Not vLLM (no ``vllm:`` metric): a reading with engine None."""
+    if not any(line.startswith("vllm:") for line in text.splitlines()):
+        return MetricsReading(note="/metrics has no vLLM metrics")
+    c = prometheus_counters(text, (VLLM_DRAFTS, VLLM_DRAFTED, VLLM_ACCEPTED))
+    if VLLM_DRAFTED not in c and VLLM_DRAFTS not in c:
+        return MetricsReading("vLLM")
+    return MetricsReading("vLLM", round(c.get(VLLM_DRAFTED, 0.0)), round(c.get(VLLM_ACCEPTED, 0.0)))
+
+
 def claims_none(types: str | None) -> bool:
     """Whether a ``speculative.types`` string says "no speculation" (or says nothing)."""
     return types is None or all(p.strip() in ("", "none") for p in types.split(","))
 
 
-def parse(slots: Any, props: Any, slots_note: str | None = None) -> SpeculationInfo:
-    """One record from a `/slots` body (None: not readable, see `slots_note`) and `/props`."""
+def parse(
+    slots: Any,
+    props: Any,
+    slots_note: str | None = None,
+    metrics: MetricsReading | None = None,
+) -> SpeculationInfo:
+    """One record from a `/slots` body (None: not readable, see `slots_note`), `/props` and,
+    when read, `/metrics`."""
     reading = parse_slots(slots) if slots is not None else SlotsReading(note=slots_note)
-    return SpeculationInfo(reading, props_types(props), props_total_slots(props))
+    return SpeculationInfo(reading, props_types(props), props_total_slots(props), metrics)
+
+
+def _metrics_note(e: Exception, status: int | None) -> MetricsReading:
+    if status in (404, 405, 501):
+        return MetricsReading(note="no /metrics endpoint")
+    return MetricsReading(note=f"/metrics unreadable: {e}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +278,15 @@ def read(client: Client) -> SpeculationInfo:
     except ClientError as e:
         if e.status is None:
             raise
-    return parse(slots, props, note)
+    metrics: MetricsReading | None = None
+    if slots is None:
+        try:
+            metrics = parse_metrics(client.get_text("/metrics"))
+        except ClientError as e:
+            if e.status is None:
+                raise
+            metrics = _metrics_note(e, e.status)
+    return parse(slots, props, note, metrics)
 
 
 async def aread_slots(client: AsyncClient) -> SlotsReading:
@@ -226,7 +320,15 @@ async def aread(client: AsyncClient) -> SpeculationInfo:
     except ClientError as e:
         if e.status is None:
             raise
-    return parse(slots, props, note)
+    metrics: MetricsReading | None = None
+    if slots is None:
+        try:
+            metrics = parse_metrics(await client.get_text("/metrics"))
+        except ClientError as e:
+            if e.status is None:
+                raise
+            metrics = _metrics_note(e, e.status)
+    return parse(slots, props, note, metrics)
 
 
 __all__ = [

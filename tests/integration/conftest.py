@@ -36,6 +36,7 @@ from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import Patch, resolve_all
 
 if TYPE_CHECKING:
+    from specaudit.fixtures.hf import HfExport
     from specaudit.vllm.env import VllmEnv
     from specaudit.vllm.server import VllmServer
 
@@ -192,18 +193,14 @@ def server(audit_ctx: audit.AuditContext) -> Callable[[str], ServerHandle]:
     return get
 
 
-# vLLM (its CPU build): one plain and one n-gram-speculating server on the tiny Llama for the
-# whole session, each started by the first test that asks for it and stopped at the session's
-# end. A start costs minutes of a 2-core machine (two processes importing torch). One file
-# uses them (tests/integration/test_vllm_server.py); a second would join it in a group of
-# `suite_order.SHARED_SESSION_GROUPS`, or each xdist worker would start its own. A test that
+# vLLM (its CPU build): one plain and one n-gram-speculating server for the whole session, on
+# the default fixture exported as `dist --engine vllm` exports and serves it (`vllm_export`,
+# `dist.vllm.server_args`), each started by the first test that asks for it and stopped at the
+# session's end. A start costs minutes of a 2-core machine (two processes importing torch), so
+# the files that use them (test_vllm_server.py; test_dist_vllm.py, which samples them through
+# `dist --vllm-url`) share an xdist worker (`suite_order.SHARED_SESSION_GROUPS`). A test that
 # needs the process itself (its stop, what it leaves running) starts its own: `dist --engine
-# vllm` does (tests/integration/test_dist_vllm.py).
-VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-VLLM_MAX_LOGPROBS = 3
-# a ceiling, not a wait: a start took 2-5 min here with other work running (load 14-21), and a
-# server that never gets healthy still fails then
-VLLM_STARTUP_TIMEOUT = 900.0
+# vllm --vllm-method` does (test_dist_vllm.py).
 
 
 @pytest.fixture(scope="session")
@@ -216,27 +213,39 @@ def vllm_env() -> VllmEnv:
 
 
 @pytest.fixture(scope="session")
-def vllm_plain(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    from specaudit.vllm.server import VllmServer
-    from specaudit.vllm.tiny import ensure_tiny
+def vllm_export(tmp_path_factory: pytest.TempPathFactory) -> HfExport:
+    """The default (last-token) fixture exported as Hugging Face folders at vLLM's smallest CPU
+    head size, as `dist --engine vllm` exports it (proven by the export)."""
+    from specaudit.distribution.vllm import MIN_HEAD_SIZE
+    from specaudit.fixtures import hf
 
-    log = tmp_path_factory.mktemp("vllm-plain") / "vllm.log"
-    # eager: no torch.compile warm-up (about 45 s of a 2-core machine per start)
+    fs = fixtures.build(tmp_path_factory.mktemp("vllm-fixture"), kind="last-token")
+    return hf.export_hf(fs, tmp_path_factory.mktemp("vllm-export"), head_size=MIN_HEAD_SIZE)
+
+
+def _vllm_server(
+    env: VllmEnv, ex: HfExport, method: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    from specaudit.distribution import vllm as dv
+    from specaudit.vllm.server import VllmServer
+
+    log = tmp_path_factory.mktemp(f"vllm-{method}") / "vllm.log"
+    spec = dv.speculative_config(method, ex.draft)
     with VllmServer(
-        vllm_env, ensure_tiny(), max_logprobs=VLLM_MAX_LOGPROBS, eager=True, log_path=log,
-        startup_timeout=VLLM_STARTUP_TIMEOUT,
-    ) as srv:  # fmt: skip
+        env, ex.target, speculative=spec, log_path=log, **dv.server_args(ex.spec)
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="session")
-def vllm_ngram(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    from specaudit.vllm.server import VllmServer
-    from specaudit.vllm.tiny import ensure_tiny
+def vllm_plain(
+    vllm_env: VllmEnv, vllm_export: HfExport, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    yield from _vllm_server(vllm_env, vllm_export, "plain", tmp_path_factory)
 
-    log = tmp_path_factory.mktemp("vllm-ngram") / "vllm.log"
-    with VllmServer(
-        vllm_env, ensure_tiny(), speculative=VLLM_NGRAM, max_logprobs=VLLM_MAX_LOGPROBS,
-        eager=True, log_path=log, startup_timeout=VLLM_STARTUP_TIMEOUT,
-    ) as srv:  # fmt: skip
-        yield srv
+
+@pytest.fixture(scope="session")
+def vllm_ngram(
+    vllm_env: VllmEnv, vllm_export: HfExport, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    yield from _vllm_server(vllm_env, vllm_export, "ngram", tmp_path_factory)

@@ -1,9 +1,11 @@
-"""`specaudit dist --engine vllm` for real: vLLM's CPU build, started by `dist` from its env on
-the default fixture exported as Hugging Face folders (widened to head size 32 and proven), plain
-and n-gram-speculating, each server's own probabilities checked against the closed form before
-sampling; plain keeps the distribution (PRESERVED), n-gram speculation does not (vLLM 0.32.0's
-CPU rejection sampler, docs/vllm.md), its drafts are counted from /metrics, and every process
-`dist` started is gone when it returns."""
+"""`specaudit dist --engine vllm` for real, on vLLM's CPU build serving the default fixture
+exported as Hugging Face folders (widened to head size 32 and proven): the session's plain and
+n-gram-speculating servers (tests/integration/conftest.py) sampled through ``--vllm-url``, each
+server's own probabilities checked against the closed form before sampling; plain keeps the
+distribution (PRESERVED), n-gram speculation does not (vLLM 0.32.0's CPU rejection sampler,
+docs/vllm.md), its drafts are counted from /metrics. A server `dist` starts itself
+(``--vllm-method``) dies on a crash of vLLM's sampler: one line, and every process it started
+is gone when it returns."""
 
 from __future__ import annotations
 
@@ -12,18 +14,25 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from click.testing import CliRunner
 
 from specaudit.cli import run as cli_run
 
-# two or three vLLM servers started, each 2-6.5 min with other work running (load 14-21), and
-# 1000 requests each
+if TYPE_CHECKING:
+    from specaudit.fixtures.hf import HfExport
+    from specaudit.vllm.server import VllmServer
+
+# the session's two vLLM servers and one of dist's own started, each 2-6.5 min with other work
+# running (load 14-21), and 1000 requests on each of the session's
 pytestmark = pytest.mark.timeout(3600)
 SEEDS = 1000  # dist's default: the fixture certifies the 0.15 tolerance at it
+# n-gram's BROKEN is certain long before: 360 of 1000 seeds sampled a forbidden token
+NGRAM_SEEDS = 200
 # top-k off: with top-k on, vLLM 0.32.0's CPU rejection sampler crashes (top-p 1: on a step
 # without drafts, `test_a_crash_of_vllm_is_one_line_naming_the_method_and_the_setting`; top-p
 # 0.95: an index out of bounds); top-p 0.8 keeps the support small enough for 1000 seeds
@@ -73,12 +82,11 @@ def _running(pid: int) -> bool:
     return st is not None and st[0] != "Z"  # a zombie is dead, waiting to be reaped
 
 
-@pytest.fixture(scope="module")
-def run() -> dict[str, Any]:
-    """One `dist --engine vllm` run of plain and ngram, the processes it started (this
-    process's descendants, polled while it runs, less those already there) and which of them
-    still run seconds after it returned (none, if `dist` stops its servers: SIGKILL is
-    delivered at once, but a process of several GB takes a moment to exit)."""
+def watched(fn: Callable[[], tuple[int, str, str]]) -> dict[str, Any]:
+    """``fn()``'s exit code and output, the processes it started (this process's
+    descendants, polled while it runs, less those already there) and which of them still run
+    seconds after it returned (none, if `dist` stops its servers: SIGKILL is delivered at
+    once, but a process of several GB takes a moment to exit)."""
     before = _descendants(os.getpid())
     seen: set[int] = set()
     done = threading.Event()
@@ -91,10 +99,7 @@ def run() -> dict[str, Any]:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        code, out, err = run_cli(
-            "dist", "--engine", "vllm", "--vllm-method", "plain", "--vllm-method", "ngram",
-            "--top-k", "0", "--top-p", "0.8", "--seeds", str(SEEDS), "--json",
-        )  # fmt: skip
+        code, out, err = fn()
     finally:
         done.set()
         watcher.join()
@@ -102,58 +107,76 @@ def run() -> dict[str, Any]:
     while any(_running(p) for p in seen) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = {p: _stat(p) for p in seen if _running(p)}
-    return {"code": code, "err": err, "result": json.loads(out) if out else {}, "seen": seen,
-            "left": left}  # fmt: skip
+    return {"code": code, "out": out, "err": err, "seen": seen, "left": left}
 
 
-def _engines(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {e["kind"]: e for e in run["result"].get("engines", [])}
+@pytest.fixture(scope="module")
+def run(vllm_plain: VllmServer, vllm_ngram: VllmServer) -> dict[str, dict[str, Any]]:
+    """`dist --engine vllm` on the session's plain server (at dist's default seeds) and on its
+    n-gram server (fewer: enough for certainty), by method."""
+    out: dict[str, dict[str, Any]] = {}
+    for method, srv, seeds in (("plain", vllm_plain, SEEDS), ("ngram", vllm_ngram, NGRAM_SEEDS)):
+        code, text, err = run_cli(
+            "dist", "--engine", "vllm", "--vllm-url", f"{method}={srv.url}", "--top-k", "0",
+            "--top-p", "0.8", "--seeds", str(seeds), "--json",
+        )  # fmt: skip
+        out[method] = {"code": code, "err": err, "result": json.loads(text) if text else {}}
+    return out
+
+
+def _engines(run: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {e["kind"]: e for r in run.values() for e in r["result"].get("engines", [])}
 
 
 def test_plain_keeps_the_distribution_and_ngram_samples_impossible_tokens(
-    run: dict[str, Any],
+    run: dict[str, dict[str, Any]],
 ) -> None:
-    """Plain vLLM samples the closed form; n-gram speculation at top-p 0.8 samples tokens the
-    sampler forbids (specials outside the top-p set): vLLM 0.32.0's CPU rejection sampler
-    (docs/vllm.md). Exit 1: a finding."""
+    """Plain vLLM samples the closed form (exit 0); n-gram speculation at top-p 0.8 samples
+    tokens the sampler forbids (specials outside the top-p set): vLLM 0.32.0's CPU rejection
+    sampler (docs/vllm.md). Exit 1: a finding."""
     engines = _engines(run)
     verdicts = {k: (e["verdict"], e["reason"][:200]) for k, e in engines.items()}
-    assert run["code"] == 1, (verdicts, run["err"][-300:])
+    errs = {m: r["err"][-300:] for m, r in run.items()}
+    assert (run["plain"]["code"], run["ngram"]["code"]) == (0, 1), (verdicts, errs)
     assert sorted(engines) == ["vllm-ngram", "vllm-plain"]
     assert engines["vllm-plain"]["verdict"] == "PRESERVED", verdicts
     ngram = engines["vllm-ngram"]
     assert ngram["verdict"] == "BROKEN" and ngram["impossible"] > 0, verdicts
-    assert all(e["n_samples"] == SEEDS for e in engines.values())
+    assert engines["vllm-plain"]["n_samples"] == SEEDS and ngram["n_samples"] == NGRAM_SEEDS
+    assert all(e["engine"].startswith("vLLM 0.32.0 at http://127.0.0.1:") for e in engines.values())
 
 
-def test_ngram_drafts_are_counted_from_metrics_and_plain_has_none(run: dict[str, Any]) -> None:
+def test_ngram_drafts_are_counted_from_metrics_and_plain_has_none(
+    run: dict[str, dict[str, Any]],
+) -> None:
     engines = _engines(run)
     assert engines["vllm-plain"]["drafted"] is None
     ngram = engines["vllm-ngram"]
     assert ngram["drafted"] > 0 and 0 < ngram["accepted"] <= ngram["drafted"]
 
 
-def test_each_server_computes_the_fixture_before_it_is_sampled(run: dict[str, Any]) -> None:
-    notes = run["result"].get("notes", [])
-    assert any("exported at head size 32 (its own 8): logits bitwise equal" in n for n in notes)
+def test_each_server_computes_the_fixture_before_it_is_sampled(
+    run: dict[str, dict[str, Any]], vllm_export: HfExport
+) -> None:
+    assert (vllm_export.head_size, vllm_export.source_head_size) == (32, 8)
+    assert vllm_export.bitwise and vllm_export.logits_max_diff == 0.0
     for method in ("plain", "ngram"):
+        notes = run[method]["result"].get("notes", [])
         (line,) = [n for n in notes if n.startswith(f"vLLM {method} next-token probabilities")]
         assert "vs the closed form on 9 contexts" in line
 
 
-def test_dist_leaves_no_vllm_process_running(run: dict[str, Any]) -> None:
-    assert len(run["seen"]) >= 2  # the API servers and vLLM's engine processes
-    assert run["left"] == {}
-
-
 def test_a_crash_of_vllm_is_one_line_naming_the_method_and_the_setting() -> None:
     """vLLM 0.32.0's CPU rejection sampler applies top-k with ``k.max()`` over the step's
-    draft positions, which fails when a step has none: the n-gram server dies on dist's
-    default top-k 3 (top-p 1). `dist` says so in one line, exit 2, naming the method, the
-    setting and vLLM's own exception, and keeps the server's log."""
-    code, out, err = run_cli("dist", "--engine", "vllm", "--vllm-method", "ngram", "--seeds", "200")
-    assert code == 2 and out == ""
-    (line,) = err.strip().splitlines()
+    draft positions, which fails when a step has none: the n-gram server `dist` starts dies on
+    dist's default top-k 3 (top-p 1). `dist` says so in one line, exit 2, naming the method,
+    the setting and vLLM's own exception, keeps the server's log, and leaves no process of the
+    server running."""
+    w = watched(
+        lambda: run_cli("dist", "--engine", "vllm", "--vllm-method", "ngram", "--seeds", "200")
+    )
+    assert w["code"] == 2 and w["out"] == ""
+    (line,) = w["err"].strip().splitlines()
     assert (
         line.startswith("error: vLLM ")
         and " ngram (temperature 1, top-k 3, top-p 1, min-p 0)" in line
@@ -162,3 +185,5 @@ def test_a_crash_of_vllm_is_one_line_naming_the_method_and_the_setting() -> None
     log = Path(line.split("(log ", 1)[1].split(":", 1)[0])
     assert "apply_top_k_only" in log.read_text()
     log.unlink()
+    assert len(w["seen"]) >= 2  # the API server and vLLM's engine process
+    assert w["left"] == {}

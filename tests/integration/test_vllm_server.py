@@ -1,17 +1,19 @@
 """vLLM's CPU build for real: the env in specaudit's cache (built here if ``python -m
-specaudit.vllm install`` has not built it), a `VllmServer` on the tiny Llama folder answering
-a seeded ``/v1/completions`` with logprobs and token ids, checked against the same weights run
-by transformers; and a server speculating with vLLM's n-gram drafter
-(``--speculative-config``), whose drafts are accepted and whose logprobs are still the model's.
-Both servers are the session's (`vllm_plain`, `vllm_ngram` in tests/integration/conftest.py);
-that a stopped server leaves nothing running is tested on the servers `dist --engine vllm`
-starts and stops (tests/integration/test_dist_vllm.py)."""
+specaudit.vllm install`` has not built it), a `VllmServer` on the exported fixture answering a
+seeded ``/v1/completions`` with logprobs and token ids, checked against the same weights run by
+transformers; and a server speculating with vLLM's n-gram drafter (``--speculative-config``),
+whose drafts are accepted and whose logprobs are still the model's. Both servers are the
+session's (`vllm_plain`, `vllm_ngram` in tests/integration/conftest.py); that a stopped server
+leaves nothing running is tested on a server `dist --engine vllm` starts and stops
+(tests/integration/test_dist_vllm.py). The tiny Llama checkpoint (`specaudit.vllm.tiny`) is
+built here, not served."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,13 @@ from specaudit.vllm import env as venv
 from specaudit.vllm import tiny
 from specaudit.vllm.server import VllmServer
 
-# the session's two vLLM servers start in the first tests that use them: 2-5 min each with
-# other work running (load 14-21)
+CliFn = Callable[..., tuple[int, str, str]]
+
+# the session's two vLLM servers start in the first tests that use them (unless
+# test_dist_vllm.py, which shares them, ran first): 2-5 min each with other work running
+# (load 14-21)
 pytestmark = pytest.mark.timeout(3600)
-PROMPT = "hello"
+PROMPT = "bcdbc"  # the fixture's letters
 TOKENS = 4
 TOP = 3  # logprobs asked for: the session servers' --max-logprobs
 
@@ -60,17 +65,19 @@ def _complete(url: str, model: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def served(vllm_plain: VllmServer) -> Served:
     assert vllm_plain.max_logprobs >= TOP
-    model = tiny.ensure_tiny()
+    model = vllm_plain.model
     return Served(_complete(vllm_plain.url, model), _complete(vllm_plain.url, model))
 
 
-def _model_logprobs(prompt: list[int], ids: list[int]) -> tuple[list[float], list[int]]:
+def _model_logprobs(
+    folder: Path, prompt: list[int], ids: list[int]
+) -> tuple[list[float], list[int]]:
     """transformers on the same folder: each generated token's logprob given its prefix, and
     the greedy token at each position."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny.ensure_tiny()))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids])).logits[0]
     logp = torch.log_softmax(logits.double(), dim=-1)
@@ -100,11 +107,10 @@ def _growth(after: dict[str, float], before: dict[str, float]) -> dict[str, floa
 @pytest.fixture(scope="module")
 def speculated(vllm_ngram: VllmServer) -> Speculated:
     """The counters' growth is measured around the request: the server is the session's."""
-    model = tiny.ensure_tiny()
     body = {
-        "model": str(model),
+        "model": str(vllm_ngram.model),
         "prompt": "abcabcabcabcabc",  # repeats: the n-gram drafter finds proposals
-        "max_tokens": 12,
+        "max_tokens": 24,  # the greedy cycle comes round: the n-grams of the context match it
         "temperature": 0.0,
         "logprobs": 1,
         "return_token_ids": True,
@@ -138,10 +144,12 @@ def test_tiny_model_is_byte_identical_on_every_build(tmp_path: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_seeded_completion_has_token_ids_and_logprobs(served: Served) -> None:
+def test_seeded_completion_has_token_ids_and_logprobs(
+    served: Served, vllm_plain: VllmServer
+) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny.ensure_tiny()))
+    tok = AutoTokenizer.from_pretrained(str(vllm_plain.model))
     choice = served.first
     assert choice["prompt_token_ids"] == tok(PROMPT)["input_ids"]  # our tokenizer, served
     ids = choice["token_ids"]
@@ -160,20 +168,22 @@ def test_seeded_completion_has_token_ids_and_logprobs(served: Served) -> None:
     assert served.second["logprobs"]["token_logprobs"] == lp["token_logprobs"]
 
 
-def test_logprobs_are_the_models_own(served: Served) -> None:
+def test_logprobs_are_the_models_own(served: Served, vllm_plain: VllmServer) -> None:
     """vLLM's raw logprobs (its default mode) are the model's log-softmax: the same weights
     run by transformers give the same numbers, position by position."""
-    want, _ = _model_logprobs(served.first["prompt_token_ids"], served.first["token_ids"])
+    first = served.first
+    want, _ = _model_logprobs(vllm_plain.model, first["prompt_token_ids"], first["token_ids"])
     got = served.first["logprobs"]["token_logprobs"]
     assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_ngram_speculation_is_accepted_and_keeps_the_models_logprobs(
-    speculated: Speculated,
+    speculated: Speculated, vllm_ngram: VllmServer
 ) -> None:
     assert speculated.settled[dv.ACCEPTED] > 0  # it did speculate: drafts were accepted
     choice = speculated.choice
-    want, greedy = _model_logprobs(choice["prompt_token_ids"], choice["token_ids"])
+    ids = choice["token_ids"]
+    want, greedy = _model_logprobs(vllm_ngram.model, choice["prompt_token_ids"], ids)
     assert choice["token_ids"] == greedy  # greedy decoding is unchanged by speculation
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
 
@@ -198,3 +208,29 @@ def test_speculation_counters_are_complete_when_a_completion_returns(
     counts (the /metrics deltas around it, requests one at a time)."""
     assert speculated.at_return[dv.DRAFTED] >= speculated.at_return[dv.ACCEPTED] > 0
     assert speculated.at_return == speculated.settled
+
+
+def test_check_reads_vllms_speculation_from_its_metrics(
+    cli: CliFn, vllm_plain: VllmServer, vllm_ngram: VllmServer
+) -> None:
+    """vLLM has no /slots and no /props: `check` reads its /metrics, where the speculative
+    counters exist only on a speculating server, instead of saying "unknown"; its logprobs are
+    real on both (the n-gram server's are the model's: above)."""
+    got = {}
+    for name, srv in (("plain", vllm_plain), ("ngram", vllm_ngram)):
+        code, out, err = cli(
+            "check", srv.url, "--model", str(srv.model), "--prompt", "bcdbc",
+            "--endpoint", "completions", "--tokens", "8", "--json",
+        )  # fmt: skip
+        assert code == 0, (name, err[-300:])
+        result = json.loads(out)
+        got[name] = result["speculation"]
+        assert result["verdict"] == "real", name
+    assert got["plain"]["state"] == "no" and not got["plain"]["hidden"]
+    assert got["plain"]["summary"].startswith(
+        "does not speculate: vLLM's /metrics has no speculative-decoding counters"
+    )
+    assert got["ngram"]["state"] == "yes" and not got["ngram"]["hidden"]
+    assert got["ngram"]["summary"].startswith(
+        "speculates: vLLM's /metrics has speculative-decoding counters ("
+    )

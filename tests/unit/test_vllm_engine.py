@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+import fakes
 from specaudit import distribution, fixtures
 from specaudit.distribution import vllm as dv
 from specaudit.distribution.truth import encode_ids
@@ -186,3 +187,87 @@ def test_the_root_cause_is_vllms_own_exception_not_the_api_servers(tmp_path: Pat
     quiet = tmp_path / "quiet.log"
     quiet.write_text("INFO started\nsomething failed here\n")
     assert dv.root_cause(quiet) == "something failed here"
+
+
+# ------------------------------------------------------------------------ --vllm-url
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--vllm-url", "http://127.0.0.1:9"), "expected NAME=URL"),
+        (("--vllm-url", "=http://127.0.0.1:9"), "expected NAME=URL"),
+        (("--vllm-url", "a b=http://127.0.0.1:9"), "expected NAME=URL"),
+        (("--vllm-url", "ngram=ftp://x"), "--vllm-url"),
+        (
+            ("--vllm-url", "ngram=http://127.0.0.1:9", "--vllm-url", "ngram=http://127.0.0.1:8"),
+            "names ngram twice",
+        ),
+        (
+            ("--vllm-url", "plain=http://127.0.0.1:9", "--vllm-method", "plain"),
+            "names plain twice",
+        ),
+    ],
+)
+def test_vllm_url_values_are_checked_before_anything_runs(
+    cli: CliFn, args: tuple[str, ...], why: str
+) -> None:
+    code, out, err = cli("dist", "--engine", "vllm", "--top-k", "0", *args)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: ") and why in line, line
+
+
+def _not_vllm(asked: fakes.Asked) -> fakes.Answer:
+    if asked.path == "/v1/models":
+        return fakes.Answer.json({"data": [{"id": "m"}]})
+    return fakes.Answer.json({"detail": "Not Found"}, status=404)
+
+
+def _two_models(asked: fakes.Asked) -> fakes.Answer:
+    if asked.path == "/v1/models":
+        return fakes.Answer.json({"data": [{"id": "a"}, {"id": "b"}]})
+    return fakes.Answer.json({"version": "0.32.0"})
+
+
+def _few_logprobs(asked: fakes.Asked) -> fakes.Answer:
+    if asked.path == "/v1/models":
+        return fakes.Answer.json({"data": [{"id": "m"}]})
+    if asked.path == "/version":
+        return fakes.Answer.json({"version": "0.32.0"})
+    return fakes.Answer.json(
+        {"error": {"message": "Requested sample logprobs of 10, which is greater than max "
+                   "allowed: 5"}}, status=400,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("canned", "why"),
+    [
+        (_not_vllm, "no /version: not a vLLM server"),
+        (_two_models, "with 2 models (one expected"),
+        (_few_logprobs, "answered 400"),
+    ],
+)
+def test_a_vllm_url_that_cannot_be_audited_is_one_line(
+    cli: CliFn, canned: fakes.Canned, why: str
+) -> None:
+    with fakes.serve(fakes.serving(canned)) as srv:
+        code, out, err = cli(
+            "dist", "--engine", "vllm", "--top-k", "0", "--vllm-url", f"ngram={srv.url}"
+        )
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: ") and why in line, line
+    if canned is _few_logprobs:
+        assert "--max-logprobs -1" in line
+
+
+def test_a_vllm_url_nobody_listens_on_is_one_line(cli: CliFn) -> None:
+    from specaudit.llama.process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out, err = cli("dist", "--engine", "vllm", "--top-k", "0", "--vllm-url", f"x={url}")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: --vllm-url {url}: ConnectError"), line

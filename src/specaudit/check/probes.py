@@ -134,6 +134,7 @@ class Speculation:
     draft_n_accepted: int | None = None
     slots_note: str | None = None  # why /slots could not be read
     hidden: bool = False  # speculates while /props says "none"
+    metrics: str | None = None  # what vLLM's /metrics says, when /slots could not be read
 
 
 @dataclass
@@ -318,6 +319,7 @@ def read_speculation(client: Client) -> Speculation:
     """What /slots and /props say (`specaudit.speculation`). Connection failures propagate:
     nothing else will work."""
     info = speculation.read(client)
+    m = info.metrics
     return Speculation(
         state="unknown" if info.speculates is None else ("yes" if info.speculates else "no"),
         summary="",
@@ -325,6 +327,7 @@ def read_speculation(client: Client) -> Speculation:
         slots_speculative=info.slots_speculative,
         props_types=info.props_types,
         slots_note=info.slots_note,
+        metrics=m.describe() if m is not None and m.speculates is not None else None,
     )
 
 
@@ -342,6 +345,11 @@ def _summarise(spec: Speculation) -> None:
     )
     if spec.request_types is not None and spec.request_types != spec.props_types:
         drafted += f"; a response's own settings say speculative.types {spec.request_types}"
+    if spec.slots_total is None and spec.metrics is not None:  # vLLM: no /slots, no /props
+        lead = "speculates" if spec.state == "yes" else "does not speculate"
+        spec.summary = f"{lead}: {spec.metrics}{drafted}"
+        spec.hidden = False  # said openly where vLLM says it
+        return
     if spec.slots_total is None:
         if spec.draft_n or not speculation.claims_none(spec.request_types):
             spec.state = "yes"

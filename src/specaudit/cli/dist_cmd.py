@@ -151,7 +151,10 @@ class _DistCommand(click.Command):
         at = next(i for i, p in enumerate(params) if p.name == "url") + 1
         own = [
             click.Option(
-                [opt.flag, opt.param], type=click.Choice(opt.choices), multiple=True, help=opt.help
+                [opt.flag, opt.param],
+                type=click.Choice(opt.choices) if opt.choices else str,
+                multiple=True,
+                help=opt.help,
             )
             for _, opt in distribution.registry.options()
         ]

@@ -70,7 +70,7 @@ class _RescoreCommand(click.Command):
         own = [
             click.Option(
                 [opt.flag, opt.param],
-                type=click.Choice(opt.choices),
+                type=click.Choice(opt.choices) if opt.choices else str,
                 multiple=True,
                 help=f"(--dist-engine {entry.name}) {opt.help}",
             )  # fmt: skip

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineOption:
-    """An option of one engine: ``FLAG CHOICE``, repeatable; None in the request when not given."""
+    """An option of one engine: ``FLAG CHOICE``, repeatable; None in the request when not given.
+    No `choices`: any text, which the engine's `check` validates."""
 
     flag: str  # the CLI spelling, e.g. "--path"
     param: str  # the `make_request` keyword and `DistRequest.options` key, e.g. "paths"

@@ -44,6 +44,7 @@ import httpx
 import numpy as np
 
 from specaudit import fixtures
+from specaudit import validate as checks
 from specaudit.distribution.inprocess import TruthCheck, one_line
 from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
@@ -51,6 +52,7 @@ from specaudit.distribution.results import DistError, EngineResult, Sample, Work
 from specaudit.distribution.truth import encode_ids
 from specaudit.errors import SpecauditError
 from specaudit.llama.process import last_error, log_tail
+from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
 
 METHODS = ("plain", "ngram", "draft_model", "suffix")
 DEFAULT_METHODS = ("plain", "ngram")
@@ -73,8 +75,8 @@ NOT_RUNNABLE = (
 STARTUP_TIMEOUT = 900.0
 MIN_HEAD_SIZE = 32  # vLLM's CPU attention: head sizes 32 to 512
 TRUTH_TOLERANCE = 1e-5  # max |vLLM's probability - closed form| before sampling
-DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTED = VLLM_DRAFTED
+ACCEPTED = VLLM_ACCEPTED
 ORDER = "temperature, then min-p, then top-k and top-p"
 
 
@@ -158,14 +160,10 @@ def setting(label: str, s: fixtures.SamplerSettings) -> str:
 def counters(text: str, names: Sequence[str] = (DRAFTED, ACCEPTED)) -> dict[str, float]:
     """The sum over labels of each counter in `names` in Prometheus text; absent ones left
     out (a plain server has no speculation counters)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return prometheus_counters(text, names)
+
+
+# ------------------------------------------------------------------------ the sampler
 
 
 class VllmEngine:
@@ -183,6 +181,7 @@ class VllmEngine:
         method: str,
         *,
         family: str,
+        speculative: bool | None = None,
         alive: Callable[[], bool] | None = None,
         log: Path | None = None,
         timeout: float = 60.0,
@@ -194,7 +193,9 @@ class VllmEngine:
         self.method = method
         self.label = f"{family} {method}"
         self.kind = f"vllm-{method}"
-        self.speculative = method != "plain"
+        # whether /metrics is read around each request: a server specaudit started knows its
+        # method; one at a URL is read anyway (a plain vLLM has no speculation counters)
+        self.speculative = method != "plain" if speculative is None else speculative
         self.where = setting(self.label, workload.sampler)
         self._alive = alive  # is the server still running?
         self._log = log  # the server's log: a failure names it and its last error
@@ -289,11 +290,18 @@ def truth_contexts(spec: fixtures.FixtureSpec, workload: Workload) -> list[str]:
 
 
 def measure_truth(
-    url: str, model: str, spec: fixtures.FixtureSpec, workload: Workload, method: str
+    url: str,
+    model: str,
+    spec: fixtures.FixtureSpec,
+    workload: Workload,
+    method: str,
+    *,
+    engine: str | None = None,
 ) -> TruthCheck:
     """The server's own next-token probabilities (raw logprobs of all `spec.n_vocab` tokens,
     one token generated at temperature 1) after the prompt and each one-letter continuation,
-    against the closed form; and `vllm_order` on them against the closed form's sampler."""
+    against the closed form; and `vllm_order` on them against the closed form's sampler.
+    `engine` names the server in an error (default: this env's vLLM build)."""
     max_raw = max_processed = 0.0
     ctxs = truth_contexts(spec, workload)
     with httpx.Client(base_url=url, timeout=60.0) as c:
@@ -310,10 +318,11 @@ def measure_truth(
             }
             r = c.post("/v1/completions", json=body)
             if r.status_code != 200:
+                label = f"{engine or family()} {method}"
                 raise DistError(
-                    f"{setting(f'{family()} {method}', workload.sampler)}: the truth check's "
-                    "request answered "
+                    f"{setting(label, workload.sampler)}: the truth check's request answered "
                     f"{r.status_code}: {one_line_text(r.text)}"
+                    + (" (serve it with --max-logprobs -1)" if "logprobs" in r.text else "")
                 )
             top = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]
             got = np.zeros(spec.n_vocab)
@@ -350,9 +359,9 @@ def row(result: EngineResult) -> tuple[str, str]:
 
 def check(req: DistRequest) -> None:
     """Called once by `make_request`: settings vLLM samples like the closed form, known
-    methods."""
+    methods, well-formed ``--vllm-url NAME=URL`` values named apart from the started methods."""
     check_sampler(req.workload.sampler)
-    check_methods(req.option("vllm_methods") or DEFAULT_METHODS)
+    plan(req)
 
 
 def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
@@ -361,6 +370,37 @@ def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
         if m not in METHODS:
             raise DistError(f"unknown vllm method {m!r} (one of {', '.join(METHODS)})")
     return out
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
+
+
+def parse_url(value: str) -> tuple[str, str]:
+    """``NAME=URL`` of ``--vllm-url`` as (name, URL without a trailing slash)."""
+    name, sep, url = value.partition("=")
+    if not sep or not _NAME.fullmatch(name):
+        raise DistError(
+            f"--vllm-url {value!r}: expected NAME=URL, NAME a label such as ngram (letters, "
+            "digits, '_', '.', '-')"
+        )
+    checks.url(url, "--vllm-url", DistError)
+    return name, url.rstrip("/")
+
+
+def plan(req: DistRequest) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(methods to start, (name, URL) of running servers to sample). Without --vllm-url the
+    default methods are started; with it only the --vllm-method ones."""
+    urls = tuple(parse_url(v) for v in req.option("vllm_urls") or ())
+    given = req.option("vllm_methods")
+    methods = check_methods(given or (() if urls else DEFAULT_METHODS))
+    names = [*methods, *(n for n, _ in urls)]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DistError(
+            f"--vllm-url names {', '.join(dup)} twice (or as a --vllm-method too): each engine's "
+            "results are named by it"
+        )
+    return methods, urls
 
 
 @contextlib.contextmanager
@@ -391,12 +431,22 @@ def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
 
 
 def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
+    methods, urls = plan(req)
+    ctx.not_covered.extend(NOT_RUNNABLE)
+    if methods:
+        yield from _started(req, ctx, methods)
+    for name, url in urls:
+        yield _at_url(req, ctx, name, url)
+
+
+def _started(
+    req: DistRequest, ctx: RunContext, methods: Sequence[str]
+) -> Generator[Unit, None, None]:
+    """One server per method, started on the exported fixture, measured, always stopped."""
     from specaudit.vllm.env import ensure_env
     from specaudit.vllm.server import VllmServer
 
-    methods = check_methods(req.option("vllm_methods") or DEFAULT_METHODS)
     spec, wl = req.fixture.spec, req.workload
-    ctx.not_covered.extend(NOT_RUNNABLE)
     env = ensure_env()
     with exported(req) as ex:
         logits = "bitwise equal to" if ex.bitwise else f"within {ex.logits_max_diff:.1e} of"
@@ -435,6 +485,48 @@ def build(req: DistRequest, ctx: RunContext) -> Generator[Unit, None, None]:
                 srv.stop(keep_log=not srv.alive())
 
 
+def served(url: str, timeout: float = 30.0) -> tuple[str, str]:
+    """(the model a running vLLM server serves, its vLLM version) from ``/v1/models`` and
+    ``/version``; a one-line DistError when it is not a vLLM server serving one model."""
+    try:
+        with httpx.Client(base_url=url, timeout=timeout) as c:
+            models = c.get("/v1/models")
+            version = c.get("/version")
+    except httpx.HTTPError as e:
+        raise DistError(f"--vllm-url {url}: {type(e).__name__}: {one_line(e, 200)}") from None
+    data = models.json().get("data") if models.status_code == 200 else None
+    ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+    if len(ids) != 1 or not isinstance(ids[0], str):
+        raise DistError(
+            f"--vllm-url {url}: /v1/models answered {models.status_code} with "
+            f"{len(ids)} models (one expected: the fixture's target)"
+        )
+    v = version.json().get("version") if version.status_code == 200 else None
+    if not isinstance(v, str):
+        raise DistError(f"--vllm-url {url}: no /version: not a vLLM server")
+    return ids[0], v
+
+
+def _at_url(req: DistRequest, ctx: RunContext, name: str, url: str) -> Unit:
+    """A vLLM server the user runs (``--vllm-url NAME=URL``: the fixture exported by
+    ``specaudit fixtures export DIR --format hf`` served with ``--max-logprobs`` at least the
+    fixture's vocabulary and ``--generation-config vllm``), proven to serve the closed form
+    before it is sampled; whether it speculates is read from its /metrics."""
+    spec, wl = req.fixture.spec, req.workload
+    model, version = served(url)
+    label = f"vLLM {version} at {url}"
+    try:
+        truth = measure_truth(url, model, spec, wl, name, engine=label)
+    except httpx.HTTPError as e:
+        where = setting(f"{label} {name}", wl.sampler)
+        raise DistError(f"{where}: {type(e).__name__}: {one_line(e)}") from None
+    ctx.notes.append(truth.require().line())
+    eng = VllmEngine(
+        url, model, spec, wl, name, family=label, speculative=True, timeout=req.timeout
+    )  # fmt: skip
+    return Unit(eng)
+
+
 VLLM = EngineEntry(
     "vllm",
     build,
@@ -443,6 +535,17 @@ VLLM = EngineEntry(
     "specaudit[transformers] for the export)",
     extra="transformers",
     options=(
+        EngineOption(
+            "--vllm-url",
+            "vllm_urls",
+            (),
+            "NAME=URL of a vLLM server you run, repeatable: sampled instead of starting servers "
+            "(add --vllm-method to start some too). It must serve the fixture exported by "
+            "`specaudit fixtures export DIR --format hf` (the target folder; any speculative "
+            "config, any hardware) with --max-logprobs -1 and --generation-config vllm; its "
+            "probabilities are checked against the closed form before sampling, its drafts "
+            "read from /metrics. NAME labels its results (vllm-NAME).",
+        ),
         EngineOption(
             "--vllm-method",
             "vllm_methods",
