@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specaudit.errors import BuildError, ServerError
+from specaudit.errors import BuildError, ServerError, SpecauditError
 from specaudit.vllm import __main__ as vllm_main
 from specaudit.vllm import env as venv
 from specaudit.vllm.server import VllmServer, omp_settings
@@ -253,3 +253,20 @@ def test_run_logged_appends_the_command_and_its_output(
     assert venv.run_logged([sys.executable, "-c", code], log) == 3
     text = log.read_text()
     assert text.startswith("before\n$ ") and "pp None" in text
+
+
+def test_a_fixed_server_loads_specaudits_fix_in_every_process(tmp_path: Path) -> None:
+    """The fix folder goes on the server's PYTHONPATH (after ``env -u PYTHONPATH`` drops
+    ours), its sitecustomize imports the named fixes; a stock server has neither."""
+    from specaudit.vllm import fixes
+
+    env = _env(tmp_path)
+    fixed = VllmServer(env, tmp_path, fixes=fixes.resolve(["cpu-sampler"])).argv()
+    stock = VllmServer(env, tmp_path).argv()
+    assert f"PYTHONPATH={fixes.ROOT}" in fixed and "SPECAUDIT_VLLM_FIXES=cpu-sampler" in fixed
+    assert fixed.index("PYTHONPATH") < fixed.index(f"PYTHONPATH={fixes.ROOT}")  # -u first
+    assert not any(a.startswith(("PYTHONPATH=", "SPECAUDIT_VLLM_FIXES=")) for a in stock)
+    assert (fixes.ROOT / "sitecustomize.py").is_file()
+    assert all(f.path.is_file() for f in fixes.FIXES.values())
+    with pytest.raises(SpecauditError, match="unknown vLLM fix 'nope'"):
+        fixes.resolve(["nope"])

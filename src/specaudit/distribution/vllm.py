@@ -53,6 +53,7 @@ from specaudit.distribution.truth import encode_ids
 from specaudit.errors import SpecauditError
 from specaudit.llama.process import last_error, log_tail
 from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
+from specaudit.vllm.fixes import resolve as resolve_fixes
 
 METHODS = ("plain", "ngram", "draft_model", "suffix")
 DEFAULT_METHODS = ("plain", "ngram")
@@ -393,6 +394,8 @@ def plan(req: DistRequest) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]
     urls = tuple(parse_url(v) for v in req.option("vllm_urls") or ())
     given = req.option("vllm_methods")
     methods = check_methods(given or (() if urls else DEFAULT_METHODS))
+    if req.option("vllm_fixes") and not methods:
+        raise DistError("--vllm-fix applies to the servers dist starts (--vllm-method)")
     names = [*methods, *(n for n, _ in urls)]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -447,6 +450,8 @@ def _started(
     from specaudit.vllm.server import VllmServer
 
     spec, wl = req.fixture.spec, req.workload
+    fixes = resolve_fixes(req.option("vllm_fixes") or ())
+    fam = family() + "".join(f" + {f.name} fix" for f in fixes)
     env = ensure_env()
     with exported(req) as ex:
         logits = "bitwise equal to" if ex.bitwise else f"within {ex.logits_max_diff:.1e} of"
@@ -456,11 +461,12 @@ def _started(
             f"probabilities within {ex.max_abs_diff:.1e} of the closed form (transformers)"
         )
         for method in methods:
-            where = setting(f"{family()} {method}", wl.sampler)
-            log = (req.work_dir / f"vllm-{method}.log") if req.work_dir else None
+            name = f"{method}-fixed" if fixes else method
+            where = setting(f"{fam} {method}", wl.sampler)
+            log = (req.work_dir / f"vllm-{name}.log") if req.work_dir else None
             srv = VllmServer(
                 env, ex.target, speculative=speculative_config(method, ex.draft),
-                log_path=log, **server_args(spec),
+                log_path=log, fixes=fixes, **server_args(spec),
             )  # fmt: skip
             try:
                 srv.start()
@@ -469,10 +475,11 @@ def _started(
                 raise DistError(f"{where}: {one_line(e)}") from None
             try:
                 model = str(ex.target)
-                ctx.notes.append(measure_truth(srv.url, model, spec, wl, method).require().line())
+                truth = measure_truth(srv.url, model, spec, wl, name, engine=fam)
+                ctx.notes.append(truth.require().line())
                 eng = VllmEngine(
-                    srv.url, model, spec, wl, method, family=family(), alive=srv.alive,
-                    log=srv.log_path, timeout=req.timeout,
+                    srv.url, model, spec, wl, name, family=fam, alive=srv.alive,
+                    log=srv.log_path, timeout=req.timeout, speculative=method != "plain",
                 )  # fmt: skip
                 yield Unit(eng)
             except httpx.HTTPError as e:
@@ -545,6 +552,16 @@ VLLM = EngineEntry(
             "config, any hardware) with --max-logprobs -1 and --generation-config vllm; its "
             "probabilities are checked against the closed form before sampling, its drafts "
             "read from /metrics. NAME labels its results (vllm-NAME).",
+        ),
+        EngineOption(
+            "--vllm-fix",
+            "vllm_fixes",
+            ("cpu-sampler",),
+            "Start the --vllm-method servers with specaudit's fix of a vLLM bug (loaded into "
+            "every process of the server; the env is not changed), repeatable; results are "
+            "named vllm-METHOD-fixed. cpu-sampler: the CPU rejection sampler's per-draft-token "
+            "temperature, top-k and top-p read from uninitialised memory, and its top-k crash "
+            "(docs/upstream/vllm-cpu-expand-kernel.md).",
         ),
         EngineOption(
             "--vllm-method",

@@ -30,6 +30,8 @@ from typing import Any
 from specaudit.errors import ServerError
 from specaudit.llama.process import ManagedServer
 from specaudit.vllm.env import LEAKY, STAMP, VllmEnv
+from specaudit.vllm.fixes import VllmFix
+from specaudit.vllm.fixes import environ as fixes_environ
 
 ENV_COMMAND = shutil.which("env") or "/usr/bin/env"
 
@@ -68,8 +70,10 @@ class VllmServer(ManagedServer):
         logging_level: str = "INFO",
         log_path: Path | None = None,
         startup_timeout: float = 300.0,
+        fixes: tuple[VllmFix, ...] = (),
     ) -> None:
         super().__init__(name="vllm", log_path=log_path, startup_timeout=startup_timeout)
+        self.fixes = fixes  # specaudit's fixes every process of the server loads
         self.env = env
         self.model = Path(model)
         self.speculative = dict(speculative) if speculative is not None else None
@@ -124,6 +128,7 @@ class VllmServer(ManagedServer):
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             **omp_settings(self.threads, bind=self.bind),
             "VLLM_LOGGING_LEVEL": self.logging_level,
+            **fixes_environ(self.fixes),
         }
 
     def preflight(self) -> None:
