@@ -153,6 +153,39 @@ def test_a_sample_is_token_ids_with_its_own_metric_deltas() -> None:
     assert (body["top_k"], body["top_p"], body["min_p"], body["temperature"]) == (3, 1.0, 0.0, 1.0)
 
 
+def test_a_server_that_does_not_speculate_is_sampled_several_at_a_time_uncounted() -> None:
+    """Nothing is counted per request on a plain server, so nothing forces requests to go
+    one at a time: they overlap (vLLM batches them) and /metrics is never read."""
+    fake = FakeVllm()
+    paths: list[str] = []
+    in_flight = [0, 0]  # now, most at once
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight)
+        await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        return fake(request)
+
+    wl = distribution.make_workload(SPEC)
+    eng = dv.VllmEngine(
+        "http://vllm", "m", SPEC, wl, "plain", family="vLLM", transport=httpx.MockTransport(slow)
+    )
+    assert eng.concurrency == dv.PLAIN_CONCURRENCY > 1
+
+    async def many() -> list[distribution.Sample]:
+        try:
+            return list(await asyncio.gather(*(eng.sample(s) for s in range(8))))
+        finally:
+            await eng.aclose()
+
+    samples = asyncio.run(many())
+    assert in_flight[1] == 8  # they overlapped
+    assert all(s.drafted is None and s.accepted is None for s in samples)
+    assert "/metrics" not in paths and len(paths) == 8
+
+
 def test_a_server_that_dies_is_one_line_naming_the_method_and_setting() -> None:
     eng = _engine(FakeVllm(die_after=0), alive=False)
 

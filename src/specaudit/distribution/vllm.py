@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from specaudit import fixtures
+from specaudit import fixtures, speculation
 from specaudit import validate as checks
 from specaudit.distribution.inprocess import TruthCheck, one_line
 from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
@@ -79,6 +79,9 @@ TRUTH_TOLERANCE = 1e-5  # max |vLLM's probability - closed form| before sampling
 DRAFTED = VLLM_DRAFTED
 ACCEPTED = VLLM_ACCEPTED
 ORDER = "temperature, then min-p, then top-k and top-p"
+# requests in flight on a server that does not speculate (nothing to count per request; vLLM
+# batches them, each with its own seeded generator)
+PLAIN_CONCURRENCY = 4
 
 
 # ------------------------------------------------------------------------ the sampler
@@ -168,10 +171,9 @@ def counters(text: str, names: Sequence[str] = (DRAFTED, ACCEPTED)) -> dict[str,
 
 
 class VllmEngine:
-    """One running vLLM server of one method, sampled one seed at a time (`concurrency` 1:
-    the /metrics deltas around a request are that request's)."""
-
-    concurrency = 1
+    """One running vLLM server of one method, sampled one seed at a time when it speculates
+    (the /metrics deltas around a request are that request's), `PLAIN_CONCURRENCY` at a time
+    when it does not."""
 
     def __init__(
         self,
@@ -197,6 +199,7 @@ class VllmEngine:
         # whether /metrics is read around each request: a server specaudit started knows its
         # method; one at a URL is read anyway (a plain vLLM has no speculation counters)
         self.speculative = method != "plain" if speculative is None else speculative
+        self.concurrency = 1 if self.speculative else PLAIN_CONCURRENCY
         self.where = setting(self.label, workload.sampler)
         self._alive = alive  # is the server still running?
         self._log = log  # the server's log: a failure names it and its last error
@@ -238,19 +241,26 @@ class VllmEngine:
             raise self._failed(f"/metrics answered {r.status_code}")
         return counters(r.text)
 
+    async def _post(self, seed: int) -> httpx.Response:
+        try:
+            r = await self._http.post("/v1/completions", json=self.body(seed))
+        except httpx.HTTPError as e:
+            raise self._failed(f"seed {seed}: {type(e).__name__}: {one_line(e, 200)}") from None
+        if r.status_code != 200:
+            raise self._failed(f"seed {seed}: HTTP {r.status_code}: {one_line_text(r.text)}")
+        return r
+
     async def sample(self, seed: int) -> Sample:
-        async with self._lock:
-            if self._last is None:
-                self._last = await self._counters() if self.speculative else {}
-            try:
-                r = await self._http.post("/v1/completions", json=self.body(seed))
-            except httpx.HTTPError as e:
-                raise self._failed(f"seed {seed}: {type(e).__name__}: {one_line(e, 200)}") from None
-            if r.status_code != 200:
-                raise self._failed(f"seed {seed}: HTTP {r.status_code}: {one_line_text(r.text)}")
-            # a server without speculation has no counters: its requests need no scrape
-            now = await self._counters() if self.speculative else self._last
-            before, self._last = self._last, now
+        if self.speculative:  # one at a time: the /metrics growth around it is its own
+            async with self._lock:
+                if self._last is None:
+                    self._last = await self._counters()
+                r = await self._post(seed)
+                now = await self._counters()
+                before, self._last = self._last, now
+        else:  # nothing counted: requests overlap, and vLLM batches them
+            r = await self._post(seed)
+            before = now = {}
         choices = r.json().get("choices")
         ids = choices[0].get("token_ids") if isinstance(choices, list) and choices else None
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
@@ -529,9 +539,20 @@ def _at_url(req: DistRequest, ctx: RunContext, name: str, url: str) -> Unit:
         raise DistError(f"{where}: {type(e).__name__}: {one_line(e)}") from None
     ctx.notes.append(truth.require().line())
     eng = VllmEngine(
-        url, model, spec, wl, name, family=label, speculative=True, timeout=req.timeout
+        url, model, spec, wl, name, family=label, speculative=speculates(url) is not False,
+        timeout=req.timeout,
     )  # fmt: skip
     return Unit(eng)
+
+
+def speculates(url: str, timeout: float = 30.0) -> bool | None:
+    """Whether the vLLM server at `url` speculates, from its /metrics (`speculation`); None
+    when /metrics cannot be read."""
+    try:
+        r = httpx.get(f"{url}/metrics", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return speculation.parse_metrics(r.text).speculates if r.status_code == 200 else None
 
 
 VLLM = EngineEntry(
