@@ -240,6 +240,11 @@ def test_the_root_cause_is_vllms_own_exception_not_the_api_servers(tmp_path: Pat
             ("--vllm-url", "plain=http://127.0.0.1:9", "--vllm-method", "plain"),
             "names plain twice",
         ),
+        (
+            ("--vllm-url", "x=http://127.0.0.1:9", "--vllm-fix", "cpu-sampler"),
+            "--vllm-fix applies to the servers dist starts",
+        ),
+        (("--vllm-fix", "nope"), "Invalid value for '--vllm-fix'"),
     ],
 )
 def test_vllm_url_values_are_checked_before_anything_runs(

@@ -14,13 +14,16 @@ text and reproducer: docs/upstream/vllm-cpu-expand-kernel.md.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 
-def _install() -> None:
+def _fix_expand(module: ModuleType) -> None:
     import torch
-    from vllm.utils import cpu_triton_utils  # type: ignore[import-not-found]
-    from vllm.v1.sample.ops import topk_topp_sampler  # type: ignore[import-not-found]
 
     def expand_kernel_impl(
         output: torch.Tensor,
@@ -36,7 +39,13 @@ def _install() -> None:
         values = torch.where(input_val == replace_from, to, input_val)
         output.copy_(torch.repeat_interleave(values, counts).to(output.dtype))
 
-    top_k_only = topk_topp_sampler.apply_top_k_only
+    setattr(module, "_expand_kernel_impl", expand_kernel_impl)  # noqa: B010
+
+
+def _fix_top_k(module: ModuleType) -> None:
+    import torch
+
+    top_k_only = getattr(module, "apply_top_k_only")  # noqa: B009 (a module mypy cannot see)
 
     def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         if k.numel() == 0:
@@ -44,8 +53,38 @@ def _install() -> None:
         out: torch.Tensor = top_k_only(logits, k)
         return out
 
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
-    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    setattr(module, "apply_top_k_only", apply_top_k_only)  # noqa: B010
 
 
-_install()
+# applied right after vLLM imports each module, in whichever process does: importing vLLM here,
+# at interpreter start, would slow every process down (and the first request with it)
+FIXES: dict[str, Callable[[ModuleType], None]] = {
+    "vllm.utils.cpu_triton_utils": _fix_expand,
+    "vllm.v1.sample.ops.topk_topp_sampler": _fix_top_k,
+}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds the modules of `FIXES` as Python would, and fixes each once it has run."""
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        fix = FIXES.get(name)
+        if fix is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            fix(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+sys.meta_path.insert(0, _AfterImport())
