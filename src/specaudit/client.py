@@ -155,21 +155,19 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get(self, path: str) -> JSON:
+    def _get(self, path: str) -> tuple[httpx.Response, str]:
         url = _url(self.base_url, path)
         try:
-            r = self._http.get(url)
+            return self._http.get(url), url
         except httpx.HTTPError as e:
             raise ClientError(_describe(e, url)) from None
-        return _decode(r, url)
+
+    def get(self, path: str) -> JSON:
+        return _decode(*self._get(path))
 
     def get_text(self, path: str) -> str:
-        url = _url(self.base_url, path)
-        try:
-            r = self._http.get(url)
-        except httpx.HTTPError as e:
-            raise ClientError(_describe(e, url)) from None
-        return _decode_text(r, url)
+        """A text answer (Prometheus ``/metrics``)."""
+        return _decode_text(*self._get(path))
 
     def post(self, path: str, body: JSON) -> JSON:
         url = _url(self.base_url, path)
@@ -245,21 +243,19 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def get(self, path: str) -> JSON:
+    async def _get(self, path: str) -> tuple[httpx.Response, str]:
         url = _url(self.base_url, path)
         try:
-            r = await self._http.get(url)
+            return await self._http.get(url), url
         except httpx.HTTPError as e:
             raise ClientError(_describe(e, url)) from None
-        return _decode(r, url)
+
+    async def get(self, path: str) -> JSON:
+        return _decode(*await self._get(path))
 
     async def get_text(self, path: str) -> str:
-        url = _url(self.base_url, path)
-        try:
-            r = await self._http.get(url)
-        except httpx.HTTPError as e:
-            raise ClientError(_describe(e, url)) from None
-        return _decode_text(r, url)
+        """A text answer (Prometheus ``/metrics``)."""
+        return _decode_text(*await self._get(path))
 
     async def post(self, path: str, body: JSON) -> JSON:
         url = _url(self.base_url, path)
