@@ -220,3 +220,18 @@ def test_the_fixed_sampler_neither_crashes_nor_samples_impossible_tokens() -> No
     assert e["n_samples"] == FIXED_SEEDS
     assert e["accepted"] > 0.1 * e["drafted"] > 0
     assert len(w["seen"]) >= 2 and w["left"] == {}
+
+
+def test_rescore_sees_the_stock_ngram_server_sample_from_elsewhere(vllm_ngram: VllmServer) -> None:
+    """`rescore --dist-engine vllm` on the session's stock n-gram server (``--vllm-url``):
+    every token it samples re-scored against a plain llama-server on the fixture's GGUF, a
+    reference vLLM cannot influence. Stock: BROKEN (docs/vllm.md; fixed, PRESERVED)."""
+    code, out, err = run_cli(
+        "rescore", "--dist-engine", "vllm", "--vllm-url", f"ngram={vllm_ngram.url}",
+        "--top-k", "0", "--top-p", "0.8", "--json",
+    )  # fmt: skip
+    assert code == 1 and out, err[-500:]
+    (r,) = json.loads(out)["results"]
+    assert r["engine"].startswith("vLLM 0.32.0 at http://127.0.0.1:") and r["drafted"] > 0
+    assert r["verdict"] == "BROKEN", r["stats"]["reason"][:500]
+    assert r["rescored"] == r["sampled_tokens"] > 0
