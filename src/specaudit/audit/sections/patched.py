@@ -62,8 +62,20 @@ EXAMPLE_SEEDS = range(1, 1001)  # the report's 1000 seeds
 SECOND_PROMPT = "hag"  # a prompt other than the fixtures' own, in their letters
 
 
+class StockVsFixed:
+    """A measurement on stock binaries and on binaries with a fix; `proven` when the fault
+    shows on stock and is gone with the fix."""
+
+    stock: distribution.EngineResult
+    fixed: distribution.EngineResult
+
+    @property
+    def proven(self) -> bool:
+        return self.stock.verdict is Verdict.BROKEN and self.fixed.verdict is Verdict.PRESERVED
+
+
 @dataclass
-class ExamplePair:
+class ExamplePair(StockVsFixed):
     """llama-speculative, stock and with the `speculative-fix` patch, on one fixture and prompt."""
 
     fixture: str  # the fixture's name
@@ -71,11 +83,6 @@ class ExamplePair:
     prompt: str
     stock: distribution.EngineResult
     fixed: distribution.EngineResult
-
-    @property
-    def proven(self) -> bool:
-        """The fault shown on stock and gone with the fix."""
-        return self.stock.verdict is Verdict.BROKEN and self.fixed.verdict is Verdict.PRESERVED
 
 
 def example_pairs(
@@ -131,7 +138,7 @@ REPLAY_PATH = "replay-rejection"
 
 
 @dataclass
-class ReplayPair:
+class ReplayPair(StockVsFixed):
     """llama-server's probabilistic checkpoint replay (`replay-rejection` on the replay
     fixture), stock and with the `replay-fix` patch, on the same seeds and tokens."""
 
@@ -139,11 +146,6 @@ class ReplayPair:
     tokens: int
     stock: distribution.EngineResult
     fixed: distribution.EngineResult
-
-    @property
-    def proven(self) -> bool:
-        """The fault shown on stock and gone with the fix."""
-        return self.stock.verdict is Verdict.BROKEN and self.fixed.verdict is Verdict.PRESERVED
 
 
 def replay_run(
