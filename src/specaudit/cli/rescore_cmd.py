@@ -128,12 +128,13 @@ class _ArmTemperature(click.ParamType):
 )
 @click.option(
     "--engine",
-    type=click.Choice(("server", "openai")),
+    type=click.Choice(("server", "vllm", "openai")),
     default="server",
     show_default=True,
-    help="server: llama-server's /completion (prompt and tokens as ids); openai: "
-    "/v1/completions text, turned into ids by the reference's tokenizer and refused unless "
-    "it round-trips exactly.",
+    help="server: llama-server's /completion (prompt and tokens as ids); vllm: vLLM's "
+    "/v1/completions (prompt and tokens as ids, drafts counted from /metrics for the whole "
+    "run); openai: /v1/completions text, turned into ids by the reference's tokenizer and "
+    "refused unless it round-trips exactly.",
 )
 @click.option(
     "--reference-url", type=URL, default=None, metavar="URL", help="A plain llama-server."
@@ -227,7 +228,11 @@ class _ArmTemperature(click.ParamType):
 )
 @click.option("--sequential", is_flag=True, help="Decide by the anytime-valid e-process.")
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
-@click.option("--model-name", default="model", help="OpenAI model name (--engine openai).")
+@click.option(
+    "--model-name",
+    default="model",
+    help="OpenAI model name (--engine openai; --engine vllm: default the one it serves).",
+)
 @click.option("--plot", type=WRITABLE_FILE, default=None, help="Write a PIT histogram PNG.")
 @timeout_option(default=60.0)
 @json_option

@@ -7,6 +7,7 @@ different inputs; one set of checks gives each the same one-line RescoreError (e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.certify import DEFAULT_TOLERANCE
 from specaudit.rescore.records import RescoreError
 
-ENGINES = ("server", "openai")
+ENGINES = ("server", "vllm", "openai")
 DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time", "def fibonacci(n):")
 MAX_TOKENS = 512
 MAX_SEEDS = 10_000_000
@@ -124,12 +125,19 @@ def make_request(
     )
     if self_check and (control or coupling):
         raise RescoreError("--self has no reference to sample as a control")
+    if coupling and engine != "server":
+        raise RescoreError(
+            "--coupling compares a llama-server's sample with the reference's at the same seed "
+            "(the same random stream): --engine server only"
+        )
     tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
     if not 0 < tolerance < 1:
         raise RescoreError("--tolerance must be between 0 and 1")
     check_arm(arm_temperature, sampler, self_check=self_check)
-    if prompt_ids and engine != "server":
-        raise RescoreError("prompts as token ids need --engine server")
+    if prompt_ids and engine == "openai":
+        raise RescoreError("prompts as token ids need --engine server or vllm")
+    if engine == "vllm":
+        check_vllm_order(sampler, arm_temperature)
     ids = tuple(tuple(int(t) for t in p) for p in prompt_ids)
     texts = tuple(prompts) or (() if ids else DEFAULT_PROMPTS)
     if any(not p for p in texts) or any(not p for p in ids):
@@ -169,6 +177,24 @@ def check_arm(arm: float | None, sampler: SamplerSettings, *, self_check: bool =
         raise RescoreError(
             f"--arm-temperature {arm:g} is the run's own temperature: an arm must differ"
         )
+
+
+def check_vllm_order(sampler: SamplerSettings, arm: float | None) -> None:
+    """Refuse (one line) the settings, of the run or its temperature arm, where vLLM's sampler
+    order (temperature before top-k/top-p and min-p) samples another distribution than the
+    reference's llama.cpp chain (temperature last)."""
+    from specaudit.distribution.vllm import ORDER, differs
+
+    for s, what in ((sampler, ""), (dataclasses.replace(sampler, temperature=arm or 1.0), "arm ")):
+        if what and arm is None:
+            continue
+        why = differs(s)
+        if why is not None:
+            fix = " (or --arm-temperature off)" if what else ""
+            raise RescoreError(
+                f"--engine vllm applies {ORDER} (llama.cpp: temperature last); the {what}"
+                f"setting differs: {why}{fix}"
+            )
 
 
 def check_reference(

@@ -44,7 +44,15 @@ from specaudit.rescore.flags import DraftFlag
 from specaudit.rescore.outside import EdgeLeak, Key
 from specaudit.rescore.records import RescoreError, TokenDraw
 from specaudit.rescore.request import RescoreRequest, seed_jobs
-from specaudit.rescore.sampling import OpenAISampler, Sampler, SeededGeneration, ServerSampler
+from specaudit.rescore.sampling import (
+    VLLM_PROBE_TOP,
+    OpenAISampler,
+    Sampler,
+    SeededGeneration,
+    ServerSampler,
+    VllmSampler,
+    vllm_top,
+)
 from specaudit.rescore.scores import ScoreTest
 from specaudit.rescore.spread import (
     PROBE_TOLERANCE,
@@ -200,6 +208,24 @@ async def _with_arm(
     return res
 
 
+def _url_sampler(req: RescoreRequest, ref: Reference) -> Sampler:
+    """The engine at `req.url`, sampled by its protocol (`req.engine`)."""
+    if req.engine == "server":
+        return ServerSampler(
+            req.url, req.sampler, req.tokens, label=req.label,
+            timeout=req.timeout, concurrency=req.concurrency,
+        )  # fmt: skip
+    if req.engine == "vllm":
+        return VllmSampler(
+            req.url, req.sampler, req.tokens, model=None if req.model == "model" else req.model,
+            label=req.label, timeout=req.timeout, concurrency=req.concurrency,
+        )  # fmt: skip
+    return OpenAISampler(
+        req.url, req.sampler, req.tokens, ref, model=req.model, label=req.label,
+        timeout=req.timeout, concurrency=req.concurrency,
+    )  # fmt: skip
+
+
 async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
     if req.engine != "server":
         return None
@@ -212,7 +238,21 @@ async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
 
 async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> float | None:
     """TV between engine and reference next-token distributions for the first prompt (its
-    first token always comes from the normal path, never the speculative loop)."""
+    first token always comes from the normal path, never the speculative loop). vLLM is asked
+    at temperature 1 and a top-k it reports in full (`sampling.vllm_top`), the reference at
+    the same settings."""
+    if req.engine == "vllm":
+        k = min(VLLM_PROBE_TOP, req.sampler.top_k or VLLM_PROBE_TOP)
+        neutral = SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0)
+        model = None if req.model == "model" else req.model
+        try:
+            got = await vllm_top(req.url, ids, k, model=model, timeout=req.timeout)
+        except ClientError as e:
+            raise RescoreError(f"the engine under test: {e}") from None
+        async with Reference(ref.url, neutral, timeout=req.timeout, concurrency=1) as at_k:
+            await at_k.prepare()
+            want = await at_k.next_token(ids)
+        return probe_difference(got, want.probs)
     if req.engine != "server":
         return None
     nt = await ref.next_token(ids)
@@ -260,19 +300,7 @@ async def run_against(
                 f"distributions for the first prompt differ by TV {tv:.3f} (> {allowed:.3f}, "
                 f"twice the reference's own spread across batch shapes or {PROBE_TOLERANCE})"
             )
-        sampler: Sampler
-        if engine is not None:
-            sampler = engine
-        elif req.engine == "server":
-            sampler = ServerSampler(
-                req.url, req.sampler, req.tokens, label=req.label,
-                timeout=req.timeout, concurrency=req.concurrency,
-            )  # fmt: skip
-        else:
-            sampler = OpenAISampler(
-                req.url, req.sampler, req.tokens, ref, model=req.model, label=req.label,
-                timeout=req.timeout, concurrency=req.concurrency,
-            )  # fmt: skip
+        sampler = engine if engine is not None else _url_sampler(req, ref)
         res = RescoreResult(
             engine=req.label or req.url, reference=ref_url, identity=ident, prompts=prompts,
             seeds=req.seeds, tokens=req.tokens, sampler=req.sampler, probe_tv=tv,
@@ -301,6 +329,9 @@ async def run_against(
         finally:
             await sampler.aclose()
             res.reference_requests = ref.requests
+            run_counts = getattr(sampler, "run_counts", None)
+            if res.drafted is None and run_counts is not None:  # counted for the whole run
+                res.drafted, res.accepted = run_counts
     res.total_seconds = time.monotonic() - t0
     if res.error is None:
         extra = []

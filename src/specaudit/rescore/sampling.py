@@ -3,8 +3,9 @@
 Why token ids: the reference is asked about the exact prefix the engine sampled from, so the
 prefix must never be re-derived from text unless the text provably round-trips. A
 llama-server (any of its verification paths) takes the prompt as ids and returns the
-generated ids (``return_tokens``); an OpenAI-compatible server returns text, which is turned
-into ids by the reference's tokenizer and refused unless it round-trips exactly.
+generated ids (``return_tokens``); so does vLLM's ``/v1/completions`` (the prompt as ids,
+``return_token_ids``); another OpenAI-compatible server returns text, which is turned into ids
+by the reference's tokenizer and refused unless it round-trips exactly.
 
 Both engine and reference are asked with ``ignore_eos``: a generation that stops early would
 drop the draw of the end token and bias what is tested, so end tokens are masked on both sides
@@ -13,6 +14,8 @@ drop the draw of the end token and bias what is tested, so end tokens are masked
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +25,7 @@ from specaudit.fixtures import SamplerSettings
 from specaudit.reference import COVERAGE, NextToken, sampling_fields
 from specaudit.rescore.flags import DraftFlag, align, parse_flags
 from specaudit.rescore.records import RescoreError
+from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,9 @@ class SeededGeneration:
 
 
 class Sampler(Protocol):
-    """An engine under test: one seeded generation per call."""
+    """An engine under test: one seeded generation per call. An engine that counts its drafts
+    only for the whole run (vLLM's /metrics) may also carry ``run_counts``: (drafted,
+    accepted) over its samples, known once it is closed (`VllmSampler`)."""
 
     label: str
 
@@ -218,4 +224,149 @@ class OpenAISampler:
         return SeededGeneration(seed, prompt, gen)
 
 
-__all__ = ["OpenAISampler", "Sampler", "SeededGeneration", "ServerSampler", "Tokenizer"]
+class VllmSampler:
+    """vLLM's ``/v1/completions``: the prompt as token ids, the generated ids back
+    (``return_token_ids``), so no text is re-tokenised. vLLM applies temperature before
+    top-k/top-p and min-p (`distribution.vllm.differs`): settings where that changes the
+    distribution are refused before the run (`request.make_request`).
+
+    Drafts: vLLM counts them only per process (``vllm:spec_decode_*`` on /metrics), so the
+    counters are read before the first sample and when the sampler closes; their growth is the
+    run's (`run_counts`), exact when nothing else uses the server meanwhile. Requests overlap
+    (vLLM batches them), as a production server's do."""
+
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        tokens: int,
+        *,
+        model: str | None = None,
+        label: str | None = None,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        api_key: str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.label = label or self.url
+        self.tokens = tokens
+        self.model = model
+        self._client = AsyncClient(
+            self.url, timeout=timeout, max_connections=concurrency, api_key=api_key
+        )
+        self._body: dict[str, Any] = {
+            "max_tokens": tokens,
+            "temperature": sampler.temperature,
+            "top_k": sampler.top_k,  # 0: off, as in llama.cpp
+            "top_p": sampler.top_p,
+            "min_p": sampler.min_p,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": False,
+        }
+        self._start: asyncio.Future[dict[str, float]] | None = None
+        self._closed = False
+        self.run_counts: tuple[int, int] | None = None
+
+    async def _counters(self) -> dict[str, float]:
+        try:
+            return prometheus_counters(
+                await self._client.get_text("/metrics"), (VLLM_DRAFTED, VLLM_ACCEPTED)
+            )
+        except ClientError:
+            return {}  # no /metrics: no counts, never a failed run
+
+    async def _model(self) -> str:
+        if self.model is None:
+            body = await self._client.get("/v1/models")
+            try:
+                self.model = str(body["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise RescoreError(f"{self.label}: /v1/models names no model") from None
+        return self.model
+
+    async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
+        if self._start is None:  # the first caller reads the counters; the rest wait for it
+            self._start = asyncio.ensure_future(self._counters())
+        await asyncio.shield(self._start)
+        body = await self._client.post(
+            "/v1/completions",
+            {**self._body, "model": await self._model(), "prompt": list(prompt_ids), "seed": seed},
+        )
+        try:
+            ids = tuple(int(t) for t in body["choices"][0]["token_ids"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise RescoreError(
+                f"{self.label} answered without choices[0].token_ids (return_token_ids: vLLM "
+                "0.10.2 or newer)"
+            ) from None
+        if len(ids) != self.tokens:
+            raise RescoreError(
+                f"{self.label} returned {len(ids)} tokens for seed {seed}, asked for {self.tokens}"
+            )
+        return SeededGeneration(seed, prompt, ids)
+
+    async def aclose(self) -> None:
+        if self._closed:  # the runner may close an engine twice
+            return
+        self._closed = True
+        try:
+            if self._start is not None:
+                before = await self._start
+                after = await self._counters()
+                if VLLM_DRAFTED in after:
+                    self.run_counts = (
+                        round(after[VLLM_DRAFTED] - before.get(VLLM_DRAFTED, 0.0)),
+                        round(after.get(VLLM_ACCEPTED, 0.0) - before.get(VLLM_ACCEPTED, 0.0)),
+                    )
+        finally:
+            await self._client.aclose()
+
+
+# the most candidates the same-model probe asks vLLM for: its default --max-logprobs
+VLLM_PROBE_TOP = 20
+
+
+async def vllm_top(
+    url: str, ids: Sequence[int], k: int, *, model: str | None = None, timeout: float = 60.0
+) -> dict[int, float]:
+    """vLLM's next-token distribution after `ids` at temperature 1 and top-k `k` (top-p 1, min-p
+    0): its top-`k` logprobs renormalised. The same numbers whichever ``--logprobs-mode`` the
+    server runs (raw or processed): at those settings processing is only the renormalisation
+    over the top `k`, which is why the same-model probe asks at them."""
+    s = VllmSampler(url, SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0), 1,
+                    model=model, timeout=timeout, concurrency=1)  # fmt: skip
+    try:
+        body = await s._client.post(
+            "/v1/completions",
+            {**s._body, "model": await s._model(), "prompt": list(ids), "seed": 0,
+             "logprobs": k, "return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        try:
+            top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+            lps = {int(str(t).removeprefix("token_id:")): float(v) for t, v in top.items()}
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise RescoreError(f"{s.label} answered without top_logprobs") from None
+    finally:
+        await s._client.aclose()
+    kept = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+    exp = {t: math.exp(v) for t, v in kept if math.isfinite(v)}
+    total = sum(exp.values())
+    if total <= 0.0:
+        raise RescoreError(f"{s.label} gave no finite logprob after the prompt")
+    return {t: v / total for t, v in exp.items()}
+
+
+__all__ = [
+    "VLLM_PROBE_TOP",
+    "OpenAISampler",
+    "Sampler",
+    "SeededGeneration",
+    "ServerSampler",
+    "Tokenizer",
+    "VllmSampler",
+    "vllm_top",
+]
