@@ -17,6 +17,7 @@ from specaudit.rescore.records import RescoreError
 from specaudit.rescore.sampling import SeededGeneration, VllmSampler, vllm_top
 
 SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=0.7)
+T1 = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 METRICS = (
     "# TYPE vllm:spec_decode_num_draft_tokens_total counter\n"
     'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {drafted}\n'
@@ -147,13 +148,12 @@ def test_settings_vllm_samples_differently_are_refused(
 def test_vllm_takes_prompts_as_ids_and_the_default_arm_but_not_coupling() -> None:
     req = request.make_request(
         "http://127.0.0.1:9", engine="vllm", reference_url="http://127.0.0.1:8",
-        prompt_ids=[[2, 3]], sampler=SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0),
+        prompt_ids=[[2, 3]], sampler=T1,
         arm_temperature=0.7,
     )  # fmt: skip
     assert req.engine == "vllm" and req.prompt_ids == ((2, 3),)
     with pytest.raises(RescoreError, match="--engine server only"):
         request.make_request(
             "http://127.0.0.1:9", engine="vllm", reference_url="http://127.0.0.1:8",
-            sampler=SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0),
-            coupling=True,
+            sampler=T1, coupling=True,
         )  # fmt: skip
