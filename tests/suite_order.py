@@ -16,6 +16,12 @@ SHARED_SESSION_GROUPS = {
         "tests/integration/test_fixture_context_server.py",
         "tests/integration/test_mutants.py",
     ),
+    # the session's plain and n-gram vLLM servers (`vllm_plain`, `vllm_ngram`): minutes each
+    "vllm": (
+        "tests/integration/test_vllm_server.py",
+        "tests/integration/test_dist_vllm.py",
+        "tests/integration/test_vllm_rescore.py",
+    ),
 }
 _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for path in paths}
 # The longest files first when workers share them out (longest-processing-time first): a long
@@ -26,8 +32,8 @@ _GROUP_OF = {path: group for group, paths in SHARED_SESSION_GROUPS.items() for p
 FIRST = (
     # vLLM: each file starts two or three vLLM servers (minutes each on a busy 2-core machine);
     # measured alone or beside each other on a shared machine (load 4-22), not in `./run test`
-    "tests/integration/test_dist_vllm.py",  # 705 s (411 s plain, ngram; 294 s crash)
-    "tests/integration/test_vllm_server.py",  # 294 s alone; 723 s beside test_dist_vllm.py
+    "vllm",  # 705 s test_dist_vllm.py, 294 s test_vllm_server.py, before Gemma's vLLM test
+    "tests/integration/test_audit_vllm.py",  # two vLLM starts, 4 x 300 seeds
     "tests/integration/test_upstream_server_tests.py",  # 267 s
     "tests/integration/test_rescore_servers.py",  # 140 s
     "tests/integration/test_gemma_logprob_mutants.py",  # 139 s

@@ -115,7 +115,7 @@ def test_a_short_answer_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         _run(VllmSampler(url, SAMPLER, 3), [1])
 
 
-def test_the_probe_renormalises_vllms_top_k_whatever_its_logprobs_mode(
+def test_the_probe_asks_vllm_with_nothing_to_process_and_renormalises_its_top_k(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = _Vllm([1])
@@ -123,7 +123,7 @@ def test_the_probe_renormalises_vllms_top_k_whatever_its_logprobs_mode(
     got = asyncio.run(vllm_top(url, [2, 5], 3))
     assert got == pytest.approx({7: 0.5 / 0.9, 9: 0.3 / 0.9, 4: 0.1 / 0.9})
     body = fake.bodies[0]
-    assert body["logprobs"] == 3 and body["top_k"] == 3 and body["temperature"] == 1.0
+    assert body["logprobs"] == 3 and body["top_k"] == 0 and body["temperature"] == 1.0
     assert body["max_tokens"] == 1 and body["return_tokens_as_token_ids"] is True
 
 

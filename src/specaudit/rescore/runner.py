@@ -239,8 +239,8 @@ async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
 async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> float | None:
     """TV between engine and reference next-token distributions for the first prompt (its
     first token always comes from the normal path, never the speculative loop). vLLM is asked
-    at temperature 1 and a top-k it reports in full (`sampling.vllm_top`), the reference at
-    the same settings."""
+    for its top tokens at temperature 1 with nothing truncated (`sampling.vllm_top`), the
+    reference at that top-k and temperature 1."""
     if req.engine == "vllm":
         k = min(VLLM_PROBE_TOP, req.sampler.top_k or VLLM_PROBE_TOP)
         neutral = SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0)

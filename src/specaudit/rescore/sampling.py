@@ -333,11 +333,14 @@ VLLM_PROBE_TOP = 20
 async def vllm_top(
     url: str, ids: Sequence[int], k: int, *, model: str | None = None, timeout: float = 60.0
 ) -> dict[int, float]:
-    """vLLM's next-token distribution after `ids` at temperature 1 and top-k `k` (top-p 1, min-p
-    0): its top-`k` logprobs renormalised. The same numbers whichever ``--logprobs-mode`` the
-    server runs (raw or processed): at those settings processing is only the renormalisation
-    over the top `k`, which is why the same-model probe asks at them."""
-    s = VllmSampler(url, SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0), 1,
+    """vLLM's next-token distribution after `ids` at top-k `k`, temperature 1: its `k` most
+    likely tokens' logprobs, asked with every sampler stage off (temperature 1, top-k 0, top-p
+    1, min-p 0) and renormalised here. With nothing to process, vLLM's raw and processed
+    logprobs are the same numbers, so the answer does not depend on the server's
+    ``--logprobs-mode``; and a request without top-k never enters the top-k path that crashes
+    a stock speculating vLLM 0.32 CPU server (docs/vllm.md), so the same-model probe cannot
+    kill the server it probes."""
+    s = VllmSampler(url, SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0), 1,
                     model=model, timeout=timeout, concurrency=1)  # fmt: skip
     try:
         body = await s._client.post(

@@ -17,6 +17,7 @@ from specaudit.audit.sections import (
     replay,
     servers,
     speculative,
+    vllm,
 )
 
 SectionFn = Callable[[AuditContext], Section]
@@ -32,6 +33,7 @@ SECTIONS: tuple[tuple[str, SectionFn], ...] = (
     ("model", model.section),
     ("speculative", speculative.section),
     ("replay", replay.section),
+    ("vllm", vllm.section),
 )
 
 __all__ = ["SECTIONS", "SectionFn"]
