@@ -45,6 +45,9 @@ SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("n
 # seeds of each fixture run (fixed N: at 1000 the fixed server certifies dist's 0.15
 # tolerance at both settings; the stock server's forbidden tokens come within a few dozen)
 SEEDS = 1000
+# seeds per Gemma prompt: at 45 (810 tokens) the fixed server was INCONCLUSIVE, its
+# repeated-prefix TV bound 0.184 over the 0.15 tolerance, about 1,240 tokens to decide
+GEMMA_SEEDS = 80
 GEMMA_SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 # prompts whose continuation repeats the prompt: n-gram lookup drafts at most steps
 GEMMA_PROMPTS = (
@@ -223,7 +226,7 @@ def run_gemma(
     return out
 
 
-def section(ctx: AuditContext, *, seeds: int = SEEDS, gemma_seeds: int = 45) -> Section:
+def section(ctx: AuditContext, *, seeds: int = SEEDS, gemma_seeds: int = GEMMA_SEEDS) -> Section:
     """The vLLM section (see the module doc). `gemma_seeds` per prompt (3 prompts, 6 tokens)."""
     report = run_fixtures(ctx, (ctx.fixture, ctx.context_fixture), seeds)
     report.gemma = run_gemma(ctx, seeds=gemma_seeds, tokens=6)
