@@ -365,6 +365,7 @@ class Reference:
         self._cache: dict[tuple[int, ...], NextToken] = {}
         self._asking: dict[tuple[int, ...], asyncio.Future[NextToken]] = {}
         self._n_probs = 0
+        self.n_vocab: int | None = None  # the served model's vocabulary, once prepared
         self.requests = 0
 
     async def __aenter__(self) -> Reference:
@@ -400,6 +401,7 @@ class Reference:
                 f"the reference {self.url} is not a llama-server (no model meta)"
             )
         self._n_probs = support_size(self.sampler, ident.n_vocab)
+        self.n_vocab = ident.n_vocab
         return ident
 
     async def raw(self, ids: Sequence[int], n: int) -> dict[int, float]:

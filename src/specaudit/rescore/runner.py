@@ -242,7 +242,8 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
     for its top tokens at temperature 1 with nothing truncated (`sampling.vllm_top`), the
     reference at that top-k and temperature 1."""
     if req.engine == "vllm":
-        k = min(VLLM_PROBE_TOP, req.sampler.top_k or VLLM_PROBE_TOP)
+        # never more than the vocabulary: a speculating vLLM 0.32 dies on it (docs/vllm.md)
+        k = min(VLLM_PROBE_TOP, req.sampler.top_k or VLLM_PROBE_TOP, ref.n_vocab or VLLM_PROBE_TOP)
         neutral = SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0)
         model = None if req.model == "model" else req.model
         try:
