@@ -33,7 +33,7 @@ FIRST = (
     # vLLM: each file starts two or three vLLM servers (minutes each on a busy 2-core machine);
     # measured alone or beside each other on a shared machine (load 4-22), not in `./run test`
     "vllm",  # 705 s test_dist_vllm.py, 294 s test_vllm_server.py, before Gemma's vLLM test
-    "tests/integration/test_audit_vllm.py",  # two vLLM starts, 4 x 300 seeds
+    "tests/integration/test_audit_vllm.py",  # 435 s alone at load 7 (two vLLM starts)
     "tests/integration/test_upstream_server_tests.py",  # 267 s
     "tests/integration/test_rescore_servers.py",  # 140 s
     "tests/integration/test_gemma_logprob_mutants.py",  # 139 s

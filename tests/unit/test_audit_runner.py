@@ -80,7 +80,7 @@ def test_the_section_list_is_explicit_and_complete() -> None:
     keys = [k for k, _ in sections.SECTIONS]
     assert keys == [
         "servers", "check", "ab", "dist", "engines", "proxy", "patched", "model", "speculative",
-        "replay",
+        "replay", "vllm",
     ]  # fmt: skip
     mods = sorted(p.stem for p in (SRC / "audit" / "sections").glob("*.py") if p.stem != "__init__")
     assert sorted(keys) == mods  # a section module that is not in the list is a mistake
