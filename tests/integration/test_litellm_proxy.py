@@ -132,8 +132,10 @@ def test_litellm_proxy_process(
             _wait_for(lambda: len(reads) >= 4)
             gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
             # the periodic reads keep their interval; the first follows the start's read by
-            # less when the start was slow (0.28 s, with another test file beside it)
-            assert gaps[0] < 5 and all(0.5 < g < 5 for g in gaps[1:]), gaps
+            # less when the start was slow (0.28 s, with another test file beside it). The
+            # upper bound only says "periodic, not once": a 1 s interval took 5.05 s once at a
+            # load of 10 on 2 cores
+            assert gaps[0] < 15 and all(0.5 < g < 15 for g in gaps[1:]), gaps
             for _ in range(6):
                 r = c.post("/v1/chat/completions", json=_body())
                 assert r.status_code == 200, r.text
