@@ -250,8 +250,8 @@ def render_section(report: VllmReport) -> Section:
         f"vLLM {VERSION} (CPU build), stock and with specaudit's `{FIX}` fix "
         "(docs/upstream/vllm-cpu-expand-kernel.md), each server started once.",
         "",
-        "**Fixtures** (`dist --vllm-url`, sequential, closed-form truth checked on each "
-        "server first):",
+        "**Fixtures** (`dist --vllm-url`, each server sampled at both settings, closed-form "
+        "truth checked on each server first):",
         "",
         md_table(HEADERS, [r.cells() for r in report.rows]),
         "",
