@@ -288,6 +288,20 @@ class VllmSampler:
                 raise RescoreError(f"{self.label}: /v1/models names no model") from None
         return self.model
 
+    async def top_logprobs(self, ids: Sequence[int], k: int) -> dict[int, float]:
+        """One token after `ids` at this sampler's settings: its top-`k` logprobs by token id
+        (as the server's ``--logprobs-mode`` reports them)."""
+        body = await self._client.post(
+            "/v1/completions",
+            {**self._body, "model": await self._model(), "prompt": list(ids), "seed": 0,
+             "max_tokens": 1, "logprobs": k, "return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        try:
+            top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {int(str(t).removeprefix("token_id:")): float(v) for t, v in top.items()}
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise RescoreError(f"{self.label} answered without top_logprobs") from None
+
     async def sample(self, prompt: int, prompt_ids: Sequence[int], seed: int) -> SeededGeneration:
         if self._start is None:  # the first caller reads the counters; the rest wait for it
             self._start = asyncio.ensure_future(self._counters())
@@ -343,18 +357,9 @@ async def vllm_top(
     s = VllmSampler(url, SamplerSettings(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0), 1,
                     model=model, timeout=timeout, concurrency=1)  # fmt: skip
     try:
-        body = await s._client.post(
-            "/v1/completions",
-            {**s._body, "model": await s._model(), "prompt": list(ids), "seed": 0,
-             "logprobs": k, "return_tokens_as_token_ids": True},
-        )  # fmt: skip
-        try:
-            top = body["choices"][0]["logprobs"]["top_logprobs"][0]
-            lps = {int(str(t).removeprefix("token_id:")): float(v) for t, v in top.items()}
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
-            raise RescoreError(f"{s.label} answered without top_logprobs") from None
+        lps = await s.top_logprobs(ids, k)
     finally:
-        await s._client.aclose()
+        await s.aclose()
     kept = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
     exp = {t: math.exp(v) for t, v in kept if math.isfinite(v)}
     total = sum(exp.values())
