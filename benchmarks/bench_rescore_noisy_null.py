@@ -11,7 +11,7 @@ Each run re-scores about `--tokens-per-run` tokens (default 4,000: 167 seeds x 3
 another plain Gemma server of the same file, both at one thread (`presets.server`, the
 "gemma" policy), with top-k 40, top-p 1, min-p 0, T = 1, the default prompts, no control arm
 and no temperature arm (one family at alpha = 0.01). Runs draw disjoint seed ranges (the r-th
-starts at 1 + r x 1,000,000; `request.seed_jobs` spreads a run's seeds over its prompts).
+starts at 1 + (r - 1) x 1,000,000; `request.seed_jobs` spreads a run's seeds over its prompts).
 
 Per run it prints the seed range, the re-scored tokens, the verdict, the family's smallest
 raw and Holm-adjusted p-values with their tests, the certificate's bounds, the impossible
@@ -27,8 +27,15 @@ here reaches about 60 %. So the check guards against a systematic false alarm (t
 drift itself read as a bug, run after run), not against a small excess over alpha, which
 would need hundreds of runs.
 
+With `--resume` the runs already in `--json FILE` are kept and the new ones continue after
+them (run r+1 on the next seed range), so the count accumulates across invocations: a rate
+bound tight enough to say something about a small excess over alpha needs hundreds of runs
+of about 4 minutes each, more than one sitting. The summary is over every run in the file.
+Runs are only appended when they used the same settings (tokens per run, sampler), checked on
+resume.
+
     .venv/bin/python benchmarks/bench_rescore_noisy_null.py [--runs 4]
-        [--tokens-per-run 4000] [--json FILE]
+        [--tokens-per-run 4000] [--json FILE [--resume]]
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ ALPHA = 0.01
 SAMPLER = SamplerSettings(top_k=40, top_p=1.0, min_p=0.0, temperature=1.0)
 TOKENS_PER_SAMPLE = 8
 CONCURRENCY = 2
-SEED_STRIDE = 1_000_000  # the r-th run's seeds start at 1 + r * SEED_STRIDE
+SAMPLER_TEXT = "top-k 40, top-p 1, min-p 0, T = 1"
+SEED_STRIDE = 1_000_000  # run r's seeds start at 1 + (r - 1) * SEED_STRIDE
 
 
 def log(msg: str) -> None:
@@ -71,6 +79,7 @@ def row_of(res: runner.RescoreResult, run: int, seed_start: int, seeds: int) -> 
     prompts = len(request.DEFAULT_PROMPTS)
     row: dict[str, Any] = {
         "run": run,
+        "sampler": SAMPLER_TEXT,
         "seed_first": seed_start,
         "seed_last": seed_start + seeds * prompts - 1,
         "sampled": res.sampled_tokens,
@@ -170,18 +179,65 @@ def summary(rows: Sequence[dict[str, Any]]) -> tuple[str, int]:
     return "\n".join(lines), 1 if failed else 0
 
 
+def previous_rows(path: Path, seeds: int) -> list[dict[str, Any]]:
+    """The runs already in `path` (none if it does not exist); SystemExit with one line when
+    they were measured with other settings or their run numbers are not consecutive (the next
+    run's seed range follows the last run's)."""
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--resume: cannot read {path}: {exc}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise SystemExit(f"--resume: {path} is not a list of runs")
+    prompts = len(request.DEFAULT_PROMPTS)
+    for prev, row in zip([None, *rows], rows, strict=False):
+        run = row.get("run")
+        if not isinstance(run, int) or (prev is not None and run != prev.get("run", 0) + 1):
+            raise SystemExit(f"--resume: {path}: run numbers are not consecutive at {run}")
+        start = 1 + (run - 1) * SEED_STRIDE
+        if row.get("seed_first") != start or row.get("seed_last") != start + seeds * prompts - 1:
+            raise SystemExit(
+                f"--resume: {path}: run {run} used other seeds or another --tokens-per-run "
+                f"({row.get('seed_first')}..{row.get('seed_last')})"
+            )
+        if row.get("sampler") != SAMPLER_TEXT:
+            raise SystemExit(f"--resume: {path}: run {run} used another sampler")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--runs", type=int, default=4, help="runs, each on its own seed range")
     ap.add_argument("--tokens-per-run", type=int, default=4000)
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in --json and add --runs more after them",
+    )
+    ap.add_argument(
+        "--first-run",
+        type=int,
+        default=1,
+        help="number of the first run when not resuming (run r samples seeds from "
+        "1 + (r - 1) x 1,000,000): start after runs already reported elsewhere",
+    )
     args = ap.parse_args(argv)
+    if args.first_run < 1:
+        ap.error("--first-run must be at least 1")
+    if args.resume and args.json is None:
+        ap.error("--resume needs --json FILE (the runs to continue)")
     # Ctrl-C stops at once, the servers with it, the runs so far already in --json
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     seeds = seeds_for(args.tokens_per_run)
     gemma = models.gemma_270m().path
     stock = llama.ensure()
-    rows: list[dict[str, Any]] = []
+    rows = previous_rows(args.json, seeds) if args.resume else []
+    first = rows[-1]["run"] if rows else args.first_run - 1  # runs done before this one
+    if rows:
+        log(f"resuming after run {first} ({len(rows)} in {args.json})")
     print(
         f"noisy null, Gemma 3 270M Q4_K_M: plain engine (2 slots) vs plain reference, 1 thread "
         f"each; top-k 40, top-p 1, min-p 0, T = 1; {seeds} seeds x "
@@ -193,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         presets.server(stock, gemma, kind="gemma", name="gemma-engine") as eng,
         presets.server(stock, gemma, kind="gemma", name="gemma-reference") as ref,
     ):
-        for r in range(args.runs):
+        for r in range(first, first + args.runs):
             start = 1 + r * SEED_STRIDE
-            log(f"run {r + 1}/{args.runs}: seeds from {start}")
+            log(f"run {r + 1} (last {first + args.runs}): seeds from {start}")
             req = request.make_request(
                 eng.url, reference_url=ref.url, prompts=request.DEFAULT_PROMPTS, seeds=seeds,
                 seed_start=start, tokens=TOKENS_PER_SAMPLE, sampler=SAMPLER, alpha=ALPHA,
