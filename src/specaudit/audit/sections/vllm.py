@@ -7,7 +7,9 @@ here is started once and sampled at both sampler settings through `dist --vllm-u
 probabilities checked against the closed form first), then stopped. The settings are the two
 faces of the bug docs/upstream/vllm-cpu-expand-kernel.md explains: at top-k 0 and top-p 0.8
 the stock n-gram server samples tokens its sampler forbids (BROKEN); with top-k on it crashes
-(a clear line, not a verdict). The fixed server must be PRESERVED at both. On Gemma, vLLM
+(a clear line, not a verdict). The fixed server must be PRESERVED at both. Suffix decoding
+(Arctic Inference's suffix trees; the env builds it) verifies through the same sampler, on the
+last-token fixture. On Gemma, vLLM
 drafts by n-gram lookup on prompts that repeat themselves (so it drafts and rejects often;
 vLLM 0.32 refuses Gemma 3 as its own ``draft_model``: its sliding and full attention layers
 are two KV cache groups), and every token is re-scored (`rescore --engine vllm`) against
@@ -42,6 +44,10 @@ SAMPLERS: tuple[tuple[str, SamplerSettings], ...] = (
 )
 # (method, fixed): the servers started on each fixture
 SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("ngram", True))
+# suffix decoding drafts from suffix trees of the context (Arctic Inference's) and shares
+# n-gram's verification; its servers run on the last-token fixture alone (each start costs
+# a minute or more, and the context fixture adds nothing to a sampler shared with n-gram)
+SUFFIX_SERVERS: tuple[tuple[str, bool], ...] = (("suffix", False), ("suffix", True))
 # seeds of each fixture run (fixed N: at 1000 the fixed server certifies dist's 0.15
 # tolerance at both settings; the stock server's forbidden tokens come within a few dozen)
 SEEDS = 1000
@@ -229,6 +235,9 @@ def run_gemma(
 def section(ctx: AuditContext, *, seeds: int = SEEDS, gemma_seeds: int = GEMMA_SEEDS) -> Section:
     """The vLLM section (see the module doc). `gemma_seeds` per prompt (3 prompts, 6 tokens)."""
     report = run_fixtures(ctx, (ctx.fixture, ctx.context_fixture), seeds)
+    suffix = run_fixtures(ctx, (ctx.fixture,), seeds, servers=SUFFIX_SERVERS)
+    report.rows += suffix.rows
+    report.notes += suffix.notes
     report.gemma = run_gemma(ctx, seeds=gemma_seeds, tokens=6)
     return render_section(report)
 
@@ -306,6 +315,7 @@ __all__ = [
     "HEADERS",
     "SAMPLERS",
     "SERVERS",
+    "SUFFIX_SERVERS",
     "GemmaRun",
     "VllmReport",
     "VllmRow",
