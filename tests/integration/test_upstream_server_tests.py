@@ -22,7 +22,13 @@ from specaudit import llama
 from specaudit.llama import presets, upstream
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve_all
-from specaudit.llama.upstream import LOGPROBS, PATCH_TESTS, SPECULATIVE, UpstreamRun
+from specaudit.llama.upstream import (
+    LOGPROBS,
+    PATCH_TESTS,
+    SPECULATIVE,
+    SPECULATIVE_FAST,
+    UpstreamRun,
+)
 
 # the module's runs are set up once, inside its first test: more than the suite's per-test
 # timeout on a loaded 2-core machine (four runs of upstream's pytest, each server loading Gemma)
@@ -38,7 +44,6 @@ LOGPROBS_IDS = (
 )
 SPEC_LOGPROBS_FILE = PATCH_TESTS["spec-logprobs"].path
 EXAMPLE_FILE = PATCH_TESTS["speculative-fix"].path
-SPECULATIVE_KEYWORD = "synth or slot_ctx or ctx_shift"
 EXAMPLE_SAMPLED = f"{EXAMPLE_FILE}::test_speculative_example_drafts_are_sampled"
 
 
@@ -61,7 +66,7 @@ def runs(
     # test_speculative.py's cases that stock passes with Gemma as its own draft. The others
     # compare generated text with the stories models' (a regex, equal tokens across draft
     # settings) and fail on stock too (docs/upstream-server-tests.md)
-    speculative = (upstream.Selection(SPECULATIVE[0].path, SPECULATIVE_KEYWORD),)
+    speculative = (upstream.Selection(SPECULATIVE[0].path, SPECULATIVE_FAST),)
     plan = (
         ("stock-plain", llama_bins, LOGPROBS, False),
         ("stock-spec", llama_bins, (*LOGPROBS, *speculative, *spec_logprobs, *example), True),

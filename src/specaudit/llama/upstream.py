@@ -76,6 +76,11 @@ LOGPROBS = (
     Selection("unit/test_chat_completion.py", "logprobs"),
 )
 SPECULATIVE = (Selection("unit/test_speculative.py"),)
+# test_speculative.py's cases that pass on stock with Gemma as its own draft (a -k expression);
+# the others compare generated text (the stories models' regex, equal tokens across draft
+# settings) and fail on stock too: the suite leaves them out for time
+# (benchmarks/bench_upstream_speculative.py runs them)
+SPECULATIVE_FAST = "synth or slot_ctx or ctx_shift"
 # the test file each bundled patch adds in upstream's style
 PATCH_TESTS = {
     "spec-logprobs": Selection("unit/test_speculative_logprobs.py"),
