@@ -45,6 +45,7 @@ import numpy as np
 
 from specaudit import fixtures, speculation
 from specaudit import validate as checks
+from specaudit.check.fidelity_vllm import MODES as LOGPROBS_MODES  # vLLM's default first
 from specaudit.distribution.inprocess import TruthCheck, one_line
 from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
@@ -354,6 +355,45 @@ def measure_truth(
     )  # fmt: skip
 
 
+FIDELITY_SEEDS = range(1, 17)  # the logprobs probe's requests (x the workload's tokens)
+FIDELITY_N = 5  # candidates per token (a speculating vLLM 0.32 dies above the vocabulary)
+
+
+def logprobs_fidelity(
+    url: str,
+    model: str,
+    spec: fixtures.FixtureSpec,
+    workload: Workload,
+    label: str,
+    mode: str | None,
+) -> str:
+    """The server's logprobs under the workload, classified against the closed form
+    (`specaudit.check.fidelity_vllm`): a line for the notes. `mode` is the server's
+    ``--logprobs-mode`` when dist started it; for a server at a URL (None) both readings are
+    tried and the one the numbers agree with is named. "Correct" allows the truth check's
+    tolerance: the one the server was admitted with."""
+    from specaudit.check import fidelity as fid
+    from specaudit.check import fidelity_vllm as fv
+
+    ref = fid.FixtureReference(spec, workload.sampler)
+    letters = {i for i, t in enumerate(spec.tokens) if t in set(spec.letters)}
+    half = TRUTH_TOLERANCE / fid.SPREAD_FACTOR
+    tol = fid.tolerance(fid.NoiseFloor(half, half, answers=2, prefixes=len(FIDELITY_SEEDS)))
+    try:
+        res = fv.probe(
+            url, model, spec.tokenize(workload.prompt), ref, tol, workload.sampler,
+            FIDELITY_SEEDS, tokens=workload.tokens, n=min(FIDELITY_N, spec.n_vocab),
+            modes=(mode,) if mode else fv.MODES, answerable=letters.__contains__,
+        )  # fmt: skip
+    except fid.FidelityError as e:
+        raise DistError(f"{setting(label, workload.sampler)}: logprobs: {e}") from None
+    best = fv.best_mode(res)
+    line = best.line(label)
+    if mode is None:
+        line += " (the server's --logprobs-mode cannot be asked: the reading that agrees)"
+    return line
+
+
 def family() -> str:
     from specaudit.vllm.env import VERSION
 
@@ -398,6 +438,14 @@ def parse_url(value: str) -> tuple[str, str]:
     return name, url.rstrip("/")
 
 
+def logprobs_mode(req: DistRequest) -> str:
+    """The --logprobs-mode of the servers dist starts (one; vLLM's default when not given)."""
+    given = tuple(dict.fromkeys(req.option("vllm_logprobs_mode") or ()))
+    if len(given) > 1:
+        raise DistError(f"--vllm-logprobs-mode given {len(given)} ways: one mode per run")
+    return given[0] if given else LOGPROBS_MODES[0]
+
+
 def plan(req: DistRequest) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """(methods to start, (name, URL) of running servers to sample). Without --vllm-url the
     default methods are started; with it only the --vllm-method ones."""
@@ -406,6 +454,12 @@ def plan(req: DistRequest) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]
     methods = check_methods(given or (() if urls else DEFAULT_METHODS))
     if req.option("vllm_fixes") and not methods:
         raise DistError("--vllm-fix applies to the servers dist starts (--vllm-method)")
+    if req.option("vllm_logprobs_mode") and not methods:
+        raise DistError(
+            "--vllm-logprobs-mode applies to the servers dist starts (--vllm-method); a server "
+            "at --vllm-url is read both ways"
+        )
+    logprobs_mode(req)
     names = [*methods, *(n for n, _ in urls)]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -462,6 +516,7 @@ def _started(
     spec, wl = req.fixture.spec, req.workload
     fixes = resolve_fixes(req.option("vllm_fixes") or ())
     fam = family() + "".join(f" + {f.name} fix" for f in fixes)
+    lp_mode = logprobs_mode(req)
     env = ensure_env()
     with exported(req) as ex:
         logits = "bitwise equal to" if ex.bitwise else f"within {ex.logits_max_diff:.1e} of"
@@ -476,7 +531,7 @@ def _started(
             log = (req.work_dir / f"vllm-{name}.log") if req.work_dir else None
             srv = VllmServer(
                 env, ex.target, speculative=speculative_config(method, ex.draft),
-                log_path=log, fixes=fixes, **server_args(spec),
+                log_path=log, fixes=fixes, logprobs_mode=lp_mode, **server_args(spec),
             )  # fmt: skip
             try:
                 srv.start()
@@ -487,6 +542,9 @@ def _started(
                 model = str(ex.target)
                 truth = measure_truth(srv.url, model, spec, wl, name, engine=fam)
                 ctx.notes.append(truth.require().line())
+                ctx.notes.append(
+                    logprobs_fidelity(srv.url, model, spec, wl, f"{fam} {name}", lp_mode)
+                )
                 eng = VllmEngine(
                     srv.url, model, spec, wl, name, family=fam, alive=srv.alive,
                     log=srv.log_path, timeout=req.timeout, speculative=method != "plain",
@@ -538,6 +596,11 @@ def _at_url(req: DistRequest, ctx: RunContext, name: str, url: str) -> Unit:
         where = setting(f"{label} {name}", wl.sampler)
         raise DistError(f"{where}: {type(e).__name__}: {one_line(e)}") from None
     ctx.notes.append(truth.require().line())
+    try:
+        ctx.notes.append(logprobs_fidelity(url, model, spec, wl, f"{label} {name}", None))
+    except httpx.HTTPError as e:
+        where = setting(f"{label} {name}", wl.sampler)
+        raise DistError(f"{where}: logprobs: {type(e).__name__}: {one_line(e)}") from None
     eng = VllmEngine(
         url, model, spec, wl, name, family=label, speculative=speculates(url) is not False,
         timeout=req.timeout,
@@ -585,6 +648,15 @@ VLLM = EngineEntry(
             "(docs/upstream/vllm-cpu-expand-kernel.md).",
         ),
         EngineOption(
+            "--vllm-logprobs-mode",
+            "vllm_logprobs_mode",
+            LOGPROBS_MODES,
+            "The --logprobs-mode of the --vllm-method servers [default: raw_logprobs, vLLM's]: "
+            "raw_logprobs (before temperature, top-k, top-p) or processed_logprobs (after). "
+            "Every vLLM engine's logprobs are classified against the closed form before "
+            "sampling (real-correct, real-wrong, placeholder, missing), in the notes.",
+        ),
+        EngineOption(
             "--vllm-method",
             "vllm_methods",
             METHODS,
@@ -608,6 +680,9 @@ __all__ = [
     "ACCEPTED",
     "DEFAULT_METHODS",
     "DRAFTED",
+    "FIDELITY_N",
+    "FIDELITY_SEEDS",
+    "LOGPROBS_MODES",
     "METHODS",
     "METHOD_HELP",
     "MIN_HEAD_SIZE",
@@ -619,6 +694,8 @@ __all__ = [
     "check_sampler",
     "counters",
     "differs",
+    "logprobs_fidelity",
+    "logprobs_mode",
     "measure_truth",
     "register_engines",
     "speculative_config",
