@@ -166,6 +166,22 @@ def test_each_server_computes_the_fixture_before_it_is_sampled(
         assert "vs the closed form on 9 contexts" in line
 
 
+def test_each_servers_logprobs_are_the_models_own_read_as_raw(
+    run: dict[str, dict[str, Any]],
+) -> None:
+    """Before sampling, `dist` asks each server for the top-5 logprobs of 16 sampled
+    completions and classifies every token against the closed form; a server at a URL is read
+    both ways and named by the reading its numbers agree with. The session's servers run
+    vLLM's default ``raw_logprobs``: every compared token real and correct, speculating or not
+    (stock n-gram's logprobs are the model's even where its samples are not)."""
+    for method in ("plain", "ngram"):
+        notes = run[method]["result"].get("notes", [])
+        (line,) = [n for n in notes if " logprobs (" in n]
+        assert "logprobs (raw_logprobs, 16 requests," in line, line
+        assert "real-correct" in line and "real-wrong" not in line, line
+        assert "placeholder" not in line and "missing" not in line, line
+
+
 def test_a_crash_of_vllm_is_one_line_naming_the_method_and_the_setting() -> None:
     """vLLM 0.32.0's CPU rejection sampler applies top-k with ``k.max()`` over the step's
     draft positions, which fails when a step has none: the n-gram server `dist` starts dies on

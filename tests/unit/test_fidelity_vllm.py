@@ -133,17 +133,31 @@ def test_probe_reads_an_unknown_server_the_way_its_numbers_agree() -> None:
     assert "processed_logprobs" in line and f"{3 * len(OUT)} real-correct" in line
 
 
-def test_probe_names_a_refused_request() -> None:
+def test_a_request_the_server_refuses_is_counted_and_named_not_fatal() -> None:
+    """vLLM 0.32 answers 400 when its logprobs hold a NaN ("Out of range float values are not
+    JSON compliant"): the server's answer is the finding, so it is counted and quoted, and
+    the requests it did answer are still classified."""
+    calls = {"n": 0}
+
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(400, text='{"error": "logprobs exceeds max_logprobs"}')
+        calls["n"] += 1
+        if calls["n"] == 2:
+            return httpx.Response(400, text='{"error": {"message": "Out of range float values '
+                                  'are not JSON compliant"}}')  # fmt: skip
+        return httpx.Response(200, json=_answer(fv.RAW))
 
     spec = fixtures.default_spec()
-    with pytest.raises(FidelityError, match="seed 1: the logprobs request answered 400"):
-        fv.probe(
-            "http://vllm.test", "m", spec.tokenize(PROMPT),
-            fidelity.FixtureReference(spec, SAMPLER), fidelity.EXACT, SAMPLER, [1],
-            tokens=3, n=5, transport=httpx.MockTransport(handler),
-        )  # fmt: skip
+    (res,) = fv.probe(
+        "http://vllm.test", "m", spec.tokenize(PROMPT), fidelity.FixtureReference(spec, SAMPLER),
+        fidelity.EXACT, SAMPLER, [1, 2, 3], tokens=3, n=5, transport=httpx.MockTransport(handler),
+    )  # fmt: skip
+    assert res.requests == 3 and res.counts.real_correct == 2 * len(OUT)
+    assert res.refused == (
+        'seed 2: HTTP 400: {"error": {"message": "Out of range float values are not JSON '
+        'compliant"}}',
+    )
+    line = res.line("vLLM ngram")
+    assert "1 of 3 requests refused (seed 2: HTTP 400" in line and "\n" not in line
 
 
 def test_tokens_after_one_the_fixture_cannot_continue_from_are_uncompared() -> None:

@@ -245,6 +245,15 @@ def test_the_root_cause_is_vllms_own_exception_not_the_api_servers(tmp_path: Pat
             "--vllm-fix applies to the servers dist starts",
         ),
         (("--vllm-fix", "nope"), "Invalid value for '--vllm-fix'"),
+        (
+            ("--vllm-url", "x=http://127.0.0.1:9", "--vllm-logprobs-mode", "raw_logprobs"),
+            "--vllm-logprobs-mode applies to the servers dist starts",
+        ),
+        (
+            ("--vllm-logprobs-mode", "raw_logprobs", "--vllm-logprobs-mode", "processed_logprobs"),
+            "one mode per run",
+        ),
+        (("--vllm-logprobs-mode", "logits"), "Invalid value for '--vllm-logprobs-mode'"),
     ],
 )
 def test_vllm_url_values_are_checked_before_anything_runs(

@@ -389,7 +389,7 @@ def logprobs_fidelity(
         raise DistError(f"{setting(label, workload.sampler)}: logprobs: {e}") from None
     best = fv.best_mode(res)
     line = best.line(label)
-    if mode is None:
+    if mode is None and best.counts.total:
         line += " (the server's --logprobs-mode cannot be asked: the reading that agrees)"
     return line
 
