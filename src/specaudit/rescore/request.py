@@ -80,6 +80,12 @@ class RescoreRequest:
     def n_prompts(self) -> int:
         return len(self.prompt_ids) or len(self.prompts)
 
+    @property
+    def vllm_model(self) -> str | None:
+        """The model name a vLLM request carries: none unless one was given (vLLM then uses
+        the one it serves)."""
+        return None if self.model == "model" else self.model
+
 
 def make_request(
     url: str,

@@ -217,7 +217,7 @@ def _url_sampler(req: RescoreRequest, ref: Reference) -> Sampler:
         )  # fmt: skip
     if req.engine == "vllm":
         return VllmSampler(
-            req.url, req.sampler, req.tokens, model=None if req.model == "model" else req.model,
+            req.url, req.sampler, req.tokens, model=req.vllm_model,
             label=req.label, timeout=req.timeout, concurrency=req.concurrency,
         )  # fmt: skip
     return OpenAISampler(
@@ -245,9 +245,8 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
         # never more than the vocabulary: a speculating vLLM 0.32 dies on it (docs/vllm.md)
         k = min(VLLM_PROBE_TOP, req.sampler.top_k or VLLM_PROBE_TOP, ref.n_vocab or VLLM_PROBE_TOP)
         neutral = SamplerSettings(top_k=k, top_p=1.0, min_p=0.0, temperature=1.0)
-        model = None if req.model == "model" else req.model
         try:
-            got = await vllm_top(req.url, ids, k, model=model, timeout=req.timeout)
+            got = await vllm_top(req.url, ids, k, model=req.vllm_model, timeout=req.timeout)
         except ClientError as e:
             raise RescoreError(f"the engine under test: {e}") from None
         async with Reference(ref.url, neutral, timeout=req.timeout, concurrency=1) as at_k:
