@@ -213,9 +213,11 @@ def test_suffix_decoding_runs_and_the_fixed_sampler_keeps_its_distribution() -> 
     sdist) on a server `dist` starts with specaudit's cpu-sampler fix (the expand kernel's CPU
     stand-in returned uninitialised temperature, top-k and top-p for every drafted position;
     top-k crashed on a step without drafts): at the setting that crashes stock vLLM, suffix
-    drafts are verified against the real distribution. Stock suffix shares the bug (BROKEN at
-    top-p 0.8: 167 impossible tokens in 400 seeds, docs/vllm.md); the n-gram fix is the audit
-    section's test. Every process it started is gone when it returns."""
+    drafts are verified against the real distribution, and the logprobs it returns after the
+    sampler (``--logprobs-mode processed_logprobs``) are the closed form's. Stock suffix shares
+    the bug (BROKEN at top-p 0.8: 167 impossible tokens in 400 seeds; its processed logprobs
+    wrong or refused, docs/vllm.md); the n-gram fix is the audit section's test. Every process
+    it started is gone when it returns."""
     w = watched(
         lambda: run_cli(
             "dist",
@@ -225,14 +227,21 @@ def test_suffix_decoding_runs_and_the_fixed_sampler_keeps_its_distribution() -> 
             "suffix",
             "--vllm-fix",
             "cpu-sampler",
+            "--vllm-logprobs-mode",
+            "processed_logprobs",
             "--seeds",
             str(FIXED_SEEDS),
             "--json",
         )  # fmt: skip
     )
     assert w["code"] in (0, 2) and w["out"], w["err"][-500:]  # PRESERVED or INCONCLUSIVE
-    (e,) = json.loads(w["out"])["engines"]
+    result = json.loads(w["out"])
+    (e,) = result["engines"]
     assert e["kind"] == "vllm-suffix-fixed" and "+ cpu-sampler fix" in e["engine"]
+    # its processed logprobs (after top-k 3) are the closed form's, every token, none refused
+    (line,) = [n for n in result["notes"] if " logprobs (" in n]
+    assert "logprobs (processed_logprobs, 16 requests, 64 tokens," in line, line
+    assert "64 real-correct" in line and "refused" not in line, line
     assert e["verdict"] != "BROKEN" and e["impossible"] == 0, e["reason"]
     assert e["n_samples"] == FIXED_SEEDS
     assert e["accepted"] > 0.1 * e["drafted"] > 0
