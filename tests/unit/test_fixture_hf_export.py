@@ -245,3 +245,37 @@ def test_values_that_matter_need_their_width(monkeypatch: pytest.MonkeyPatch) ->
     assert hf.plan_head(spec, 32) == hf.HeadPlan(32, 8, 0, 1.0, True)
     with pytest.raises(fixtures.FixtureError, match="values fill 8 dimensions per head"):
         hf.plan_head(spec, 4)
+
+
+def test_the_eagle_head_drafts_the_targets_favourite_after_the_token_it_is_fed(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """vLLM's EAGLE-1 llama head (its layer names, no lm_head: it shares the target's): fc
+    passes the fed token's embedding and drops the target's hidden state, its one layer is
+    zeros, so its logits are the target's lm_head on embed_tokens[x], which must be the
+    target's own logits after the prompt and x; specials are never fed and have zero rows."""
+    from safetensors.numpy import load_file
+
+    ex = exports[("last-token", 32)]
+    folder = hf.export_eagle_head(ex)
+    params = load_file(str(folder / "model.safetensors"))
+    spec = ex.spec
+    assert "lm_head.weight" not in params and set(params) >= {"fc.weight", "embed_tokens.weight"}
+    assert all(k.startswith(("fc.", "embed_tokens.", "layers.0.")) for k in params)
+    h = spec.config.n_embd
+    fc = params["fc.weight"]
+    assert np.array_equal(fc[:, :h], np.eye(h)) and not fc[:, h:].any()
+    layer = {k: v for k, v in params.items() if k.startswith("layers.0.") and "norm" not in k}
+    assert layer and not any(v.any() for v in layer.values())
+    target = _model(ex.target)
+    lm_head = target.lm_head.weight.detach().numpy()
+    for x, tok in enumerate(spec.tokens):
+        row = params["embed_tokens.weight"][x]
+        if tok not in spec.letters:
+            assert not row.any()
+            continue
+        want = fixtures.raw_distribution(spec, spec.prompt + tok)
+        z = lm_head @ row
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert np.abs(p - np.array(list(want.values()))).max() < 1e-5
+    assert json.loads((folder / "config.json").read_text())["hidden_size"] == h

@@ -56,7 +56,7 @@ from specaudit.llama.process import last_error, log_tail
 from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
 from specaudit.vllm.fixes import resolve as resolve_fixes
 
-METHODS = ("plain", "ngram", "draft_model", "suffix")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -66,9 +66,16 @@ METHOD_HELP = {
     "draft_model": f"draft_model on the fixture's draft, num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
     "suffix": f"suffix (suffix trees of the context), num_speculative_tokens={SPECULATIVE_TOKENS}",
+    "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf.export_eagle_head: it "
+    f"drafts the target's favourite after the token it is fed), num_speculative_tokens="
+    f"{SPECULATIVE_TOKENS}",
 }
 NOT_RUNNABLE = (
-    ("vllm eagle, eagle3", "need an EAGLE head trained on the target's hidden states"),
+    (
+        "vllm eagle3",
+        "vLLM's EAGLE3 llama head reads the hidden states of three target layers; the fixture "
+        "has one (a head with eagle_aux_hidden_state_layer_ids [0, 0, 0] is not built yet)",
+    ),
     ("vllm mtp", "needs a model with multi-token-prediction layers; a llama has none"),
     ("vllm medusa, mlp_speculator", "need trained speculator heads"),
 )
@@ -134,8 +141,11 @@ def vllm_order(p: np.ndarray, s: fixtures.SamplerSettings) -> np.ndarray:
 # ------------------------------------------------------------------------ the server
 
 
-def speculative_config(method: str, draft: Path) -> dict[str, Any] | None:
-    """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain."""
+def speculative_config(
+    method: str, draft: Path, eagle_head: Path | None = None
+) -> dict[str, Any] | None:
+    """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
+    the head folder eagle needs (`fixtures.hf.export_eagle_head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
         return None
@@ -150,6 +160,10 @@ def speculative_config(method: str, draft: Path) -> dict[str, Any] | None:
         return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": n}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": n}
+    if method == "eagle":
+        if eagle_head is None:
+            raise DistError("vllm eagle needs an EAGLE head folder (fixtures.hf.export_eagle_head)")
+        return {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
 
 
@@ -486,6 +500,15 @@ def exported(req: DistRequest) -> Iterator[Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def head(method: str, ex: Any) -> Path | None:
+    """The EAGLE head `method` needs, built into the export `ex`; None for the others."""
+    if method != "eagle":
+        return None
+    from specaudit.fixtures import hf
+
+    return hf.export_eagle_head(ex)
+
+
 def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
     """What every `VllmServer` of the engine is started with: logprobs of the whole
     vocabulary (the truth check), the fixture's context, no torch.compile warm-up."""
@@ -530,7 +553,7 @@ def _started(
             where = setting(f"{fam} {method}", wl.sampler)
             log = (req.work_dir / f"vllm-{name}.log") if req.work_dir else None
             srv = VllmServer(
-                env, ex.target, speculative=speculative_config(method, ex.draft),
+                env, ex.target, speculative=speculative_config(method, ex.draft, head(method, ex)),
                 log_path=log, fixes=fixes, logprobs_mode=lp_mode, **server_args(spec),
             )  # fmt: skip
             try:
