@@ -13,9 +13,15 @@ temperature), and then the knobs are passed as generation arguments, as a user w
 otherwise the same four transformers warpers are passed as `logits_processor` in llama.cpp's
 order and the generation knobs are set neutral. No other logits processor runs.
 
-Generators (`GENERATORS`): the assistant (draft) model, prompt lookup and early exit, all
-driven by the one-layer fixture llama. transformers' universal (different-tokenizer) assistant,
-MTP, DFlash and Gemma 4 assistant generators cannot run on it (`NOT_RUNNABLE` says why).
+Generators (`GENERATORS`): the assistant (draft) model, prompt lookup, early exit and DFlash,
+all verified by the one-layer fixture llama. DFlash's drafter is a DFlash assistant class
+(`MuseGlimmerAssistantModel`, the one transformers 5.23 ships) built tiny and randomly
+initialised from a fixed seed (`dflash_assistant`): it reads the target's hidden states and
+drafts through the target's own embedding and head, so a random one is a legitimate (poor)
+drafter and speculative sampling must still give the target's distribution. transformers'
+universal (different-tokenizer) assistant, MTP and Gemma 4 assistant generators cannot run
+on a llama (`NOT_RUNNABLE` says why; `benchmarks/bench_hf_generators.py` measures the last
+two on tiny models of their own classes).
 
 Imports of torch and transformers happen on first use: a plain install stays light
 (`pip install 'specaudit[transformers]'` brings them).
@@ -39,7 +45,8 @@ from specaudit.distribution.results import DistError, Workload
 TRUTH_TOLERANCE = 1e-5  # max |transformers' probability - closed form| before sampling
 PROMPT_LOOKUP_TOKENS = 3  # prompt_lookup_num_tokens
 ASSISTANT_TOKENS = 3  # the assistant's num_assistant_tokens (constant schedule)
-GENERATORS = ("assistant", "prompt-lookup", "early-exit")
+DFLASH_SEED = 20261201  # torch seed of the DFlash drafter's random weights
+GENERATORS = ("assistant", "prompt-lookup", "early-exit", "dflash")
 GENERATOR_HELP = {
     "assistant": "assistant_model=draft.gguf (AssistedCandidateGenerator: the draft samples, "
     "speculative sampling verifies)",
@@ -47,6 +54,9 @@ GENERATOR_HELP = {
     "(PromptLookupCandidateGenerator: n-grams of the context, no draft model)",
     "early-exit": "assistant_early_exit=1 (EarlyExitCandidateGenerator: the target's first "
     "layer drafts; the fixture has one layer, so the draft is the target)",
+    "dflash": f"speculation_type='dflash' with a tiny random DFlash drafter (seed {DFLASH_SEED}; "
+    f"DFlashTokenCandidateGenerator: {ASSISTANT_TOKENS} tokens per block from the target's "
+    "hidden states, sampled)",
 }
 NOT_RUNNABLE = (
     (
@@ -56,13 +66,15 @@ NOT_RUNNABLE = (
     ),
     (
         "transformers mtp",
-        "use_mtp needs a model with multi-token-prediction heads; a llama has none",
+        "use_mtp (MTPCandidateGenerator) needs a target whose config has num_mtp_layers and "
+        "whose checkpoint holds MTP weights (MtpModel.from_pretrained); a llama has neither "
+        "(benchmarks/bench_hf_generators.py runs it on a tiny Mellum: PRESERVED)",
     ),
-    ("transformers dflash", "speculation_type='dflash' needs a DFlash assistant model class"),
     (
         "transformers gemma4-assistant",
-        "SinglePositionMultiTokenCandidateGenerator needs a Gemma 4 assistant and a Gemma 3n/4 "
-        "target's shared KV states",
+        "SinglePositionMultiTokenCandidateGenerator needs a Gemma4Assistant drafter and a "
+        "Gemma 4/3n target's shared KV states (benchmarks/bench_hf_generators.py runs it on "
+        "tiny Gemma 4 models: BROKEN, it drafts by argmax and verifies with the softmax)",
     ),
 )
 EXTRA_HINT = "pip install 'specaudit[transformers]'"
@@ -126,6 +138,28 @@ class Models(Runtime):
             d, gguf_file=fixtures.DRAFT_FILE, dtype=torch.float32
         ).eval()
         return target, draft, AutoTokenizer.from_pretrained(d, gguf_file=fixtures.TARGET_FILE)
+
+    def dflash_assistant(self) -> Any:
+        """The DFlash drafter (built once): a one-layer `MuseGlimmerAssistantModel` of the
+        target's hidden size reading the target's last layer, `ASSISTANT_TOKENS + 1` positions
+        per block (the last accepted token and `ASSISTANT_TOKENS` masks; the fixture's unknown
+        token is the mask), weights random from `DFLASH_SEED` (the global RNG untouched)."""
+        if getattr(self, "_dflash", None) is None:
+            import torch
+            from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+            c = self.target.config
+            cfg = MuseGlimmerAssistantConfig(
+                hidden_size=c.hidden_size, intermediate_size=2 * c.hidden_size,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                layer_types=["full_attention"], block_size=ASSISTANT_TOKENS + 1,
+                mask_token_id=self.spec.unk_id, target_layer_ids=[c.num_hidden_layers - 1],
+                bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            )  # fmt: skip
+            with torch.random.fork_rng():
+                torch.manual_seed(DFLASH_SEED)
+                self._dflash = MuseGlimmerAssistantModel(cfg).eval()
+        return self._dflash
 
     def _check_tokenizer(self) -> None:
         spec = self.fs.spec
@@ -277,6 +311,8 @@ class TransformersEngine(InProcessEngine):
             return {"assistant_model": m.draft}
         if g == "prompt-lookup":
             return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+        if g == "dflash":
+            return {"assistant_model": m.dflash_assistant(), "speculation_type": "dflash"}
         return {"assistant_early_exit": 1, "num_assistant_tokens": ASSISTANT_TOKENS}
 
     @staticmethod
@@ -375,6 +411,7 @@ def register_engines(register: Register) -> None:
 
 
 __all__ = [
+    "DFLASH_SEED",
     "GENERATORS",
     "GENERATOR_HELP",
     "NOT_RUNNABLE",

@@ -1,0 +1,485 @@
+"""transformers' MTP and Gemma 4 single-position candidate generators, each on tiny models of
+the classes it needs, against the target's own exact distribution.
+
+Why: `dist --engine transformers` drives its generators with the llama fixture, and these two
+cannot run on a llama (`distribution.hf.NOT_RUNNABLE`): `use_mtp` (`MTPCandidateGenerator`)
+needs a target whose config has `num_mtp_layers` and whose checkpoint holds the MTP layers
+(`MtpModel.from_pretrained` reads them from the target's folder); a Gemma 4 assistant
+(`SinglePositionMultiTokenCandidateGenerator`) needs a `Gemma4AssistantForCausalLM` drafter
+and a Gemma 4 / 3n target that returns its shared KV states. Public reports say some of these
+generators verify with a draft distribution q they never sampled from. So each runs here on
+a model of its own class, built tiny and randomly initialised from fixed seeds (no download):
+
+    mtp               a 2-layer `MellumForCausalLM` (vocabulary 8) with one MTP layer whose
+                      weights are written into the saved checkpoint under `mtp.` and loaded
+                      back by transformers' own `MtpModel.from_pretrained` (checked equal)
+    gemma4-assistant  a 4-layer `Gemma4ForCausalLM` (the last two layers reuse the KV of the
+                      first two, so it returns `shared_kv_states`) and a 2-layer
+                      `Gemma4AssistantForCausalLM`, 3 draft tokens. transformers 5.23 cannot
+                      build that assistant as released: `Gemma4TextConfig.kv_sharing_modes`
+                      raises when every layer is shared, which `Gemma4AssistantConfig`
+                      requires; the bench sets the modes the assistant's own docstring
+                      describes (every layer "reuse") while it is built, and says so
+
+For every generator and sampler setting: `--seeds` seeds of `generate()` with the generator
+(`torch.manual_seed(seed)` first, `--tokens` new tokens) and the same seeds of plain
+`generate()` on the same target (the reference), both against the exact joint distribution
+of the tokens computed from the target's own next-token probabilities after generate()'s
+logits processors (chain rule over every prefix). Statistics: the G-test of the joint counts
+against the exact distribution (cells with expected count below 5 pooled), the total
+variation between the empirical and exact joint, and the largest per-position marginal TV;
+the reference's rows give the noise floor at the same sample size. Verdict BROKEN when the
+generator's G-test p is below `--alpha`, PRESERVED otherwise. The first generated token never
+comes from a draft (both generators skip drafting until the target has run once), so drafts
+start at position 2.
+
+    .venv/bin/python benchmarks/bench_hf_generators.py [--generators mtp,gemma4-assistant]
+        [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--json FILE]
+
+Samplers: t1 = temperature 1, no truncation; t07k4 = temperature 0.7, top-k 4.
+
+Exit codes: 0 every generator PRESERVED; 1 some generator BROKEN; 2 the measurement is not
+valid (the plain reference itself fails its G-test, MTP weights not loaded as written,
+transformers missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+VOCAB = 8
+PROMPT = (1, 2, 3)
+DRAFT_TOKENS = 3  # the Gemma 4 assistant's num_assistant_tokens (MTP drafts one per layer)
+MODEL_SEED = 20261201
+TARGET_INIT = 0.2  # weight scale of the targets and the MTP layer: entropy about 1.5 nats
+ASSISTANT_INIT = 0.1  # the Gemma 4 assistant's weight scale: q neither flat nor one-hot
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "t1": {"temperature": 1.0, "top_k": 0},
+    "t07k4": {"temperature": 0.7, "top_k": 4},
+}
+GENERATORS = ("mtp", "gemma4-assistant")
+
+
+class Invalid(Exception):
+    """The measurement cannot be trusted (exit 2)."""
+
+
+@dataclass
+class Row:
+    generator: str
+    sampler: str
+    path: str  # "speculative" or "plain"
+    seeds: int
+    drafted: int | None
+    accepted: int | None
+    g_stat: float
+    dof: int
+    p_value: float
+    tv_joint: float
+    tv_position_max: float
+    tv_positions: list[float]
+    seconds: float
+    argmax_drafts: int | None = None  # drafted tokens that were q's argmax
+    q_token_median: float | None = None  # median q(drafted token)
+    tv_if_fixed_median: float | None = None  # exact per-position TV if drafting is argmax
+    tv_if_fixed_max: float | None = None
+
+
+@dataclass
+class Setup:
+    target: Any
+    extra: dict[str, Any]  # generate() arguments selecting the generator
+    note: str
+
+
+# --------------------------------------------------------------------------- the models
+
+
+def _mtp_setup(workdir: Path) -> Setup:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, MellumConfig, MellumForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    cfg = MellumConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        layer_types=["full_attention", "sliding_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=2,
+        num_experts_per_tok=1, sliding_window=64, num_mtp_layers=1, initializer_range=TARGET_INIT,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(MODEL_SEED)
+    main = MellumForCausalLM(cfg).eval()
+    d = workdir / "mellum-mtp"
+    main.save_pretrained(d)
+    mtp = MtpModel(main, 1)  # random MTP layer, written where a Mellum checkpoint keeps it
+    written = {
+        "mtp." + k: v.detach().clone().contiguous()
+        for k, v in mtp.state_dict().items()
+        if not k.startswith(("embed_tokens.", "shared_head.", "rotary_emb."))
+    }
+    with torch.no_grad():  # MtpModel's own init leaves its fused experts uninitialised memory
+        for k, v in written.items():
+            v.copy_(torch.ones_like(v) if "norm" in k else torch.randn_like(v) * TARGET_INIT)
+    weights = d / "model.safetensors"
+    save_file(load_file(weights) | written, weights, metadata={"format": "pt"})
+    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    loaded = MtpModel.from_pretrained(target).state_dict()
+    differ = [k for k, v in written.items() if not torch.equal(loaded[k[4:]], v)]
+    if differ:
+        raise Invalid(f"MtpModel.from_pretrained did not load the MTP weights written: {differ}")
+    note = (
+        f"MellumForCausalLM 2 layers + 1 MTP layer ({len(written)} tensors) loaded by "
+        "MtpModel.from_pretrained, equal to those written"
+    )
+    return Setup(target, {"use_mtp": True}, note)
+
+
+@contextlib.contextmanager
+def _assistant_kv_sharing() -> Iterator[None]:
+    """While a Gemma 4 assistant is built: every layer of a fully shared config "reuse"s (5.23's
+    `Gemma4TextConfig.kv_sharing_modes` raises there: no layer of the assistant produces KV)."""
+    from transformers import Gemma4TextConfig
+
+    prop: Any = Gemma4TextConfig.__dict__["kv_sharing_modes"]
+
+    def modes(self: Any) -> list[str | None]:
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return list(prop.fget(self))
+
+    setattr(Gemma4TextConfig, "kv_sharing_modes", property(modes))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(Gemma4TextConfig, "kv_sharing_modes", prop)  # noqa: B010
+
+
+def _gemma4_setup(workdir: Path) -> Setup:
+    import torch
+    from transformers import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+        Gemma4ForCausalLM,
+        Gemma4TextConfig,
+    )
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        global_head_dim=16, sliding_window=64, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(MODEL_SEED)
+    target = Gemma4ForCausalLM(
+        Gemma4TextConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_kv_shared_layers=2,
+            layer_types=types * 2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            initializer_range=TARGET_INIT,
+            **common,
+        )  # fmt: skip
+    ).eval()
+    acfg = Gemma4AssistantConfig(
+        text_config=Gemma4TextConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            layer_types=types,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=0,
+            initializer_range=ASSISTANT_INIT,
+            **common,
+        ),
+        backbone_hidden_size=32,
+    )
+    try:
+        Gemma4AssistantForCausalLM(acfg)
+        as_released = "builds as released"
+    except ValueError as e:
+        as_released = f"as released: ValueError: {e}"
+    with _assistant_kv_sharing():
+        assistant = Gemma4AssistantForCausalLM(acfg).eval()
+    assistant.generation_config.num_assistant_tokens = DRAFT_TOKENS
+    note = (
+        "Gemma4ForCausalLM 4 layers (2 KV-shared) + Gemma4AssistantForCausalLM 2 layers "
+        f"({as_released}; built with every layer reusing the target's KV)"
+    )
+    return Setup(target, {"assistant_model": assistant}, note)
+
+
+SETUPS: dict[str, Callable[[Path], Setup]] = {"mtp": _mtp_setup, "gemma4-assistant": _gemma4_setup}
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _sampler_kwargs(name: str) -> dict[str, Any]:
+    return {
+        "do_sample": True, "top_p": 1.0, "min_p": None, "repetition_penalty": None,
+        "typical_p": None, "epsilon_cutoff": None, "eta_cutoff": None, "top_h": None,
+        **SAMPLERS[name],
+    }  # fmt: skip
+
+
+def exact_joint(target: Any, sampler: str, tokens: int) -> dict[tuple[int, ...], float]:
+    """P(next `tokens` ids) under plain sampling: the target's next-token probabilities after
+    generate()'s own logits processors, chained over every prefix of positive probability."""
+    import torch
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(**_sampler_kwargs(sampler))
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(tokens):
+        nxt: dict[tuple[int, ...], float] = {}
+        for prefix, pr in out.items():
+            ids = torch.tensor([[*PROMPT, *prefix]])
+            procs = target._get_logits_processor(
+                cfg, input_ids_seq_length=ids.shape[1], logits_processor=None, device="cpu"
+            )
+            with torch.no_grad():
+                logits = target(ids).logits[:, -1].float()
+            p = torch.softmax(procs(ids, logits).double(), -1)[0].numpy()
+            for t in np.flatnonzero(p > 0):
+                nxt[(*prefix, int(t))] = pr * float(p[t])
+        out = nxt
+    return out
+
+
+@dataclass
+class Drafts:
+    """What the candidate generator returned, per drafted position: was the token q's argmax,
+    q(token), and the exact TV from the target's p of what speculative sampling outputs there
+    if the token is a deterministic function of the context (argmax drafting)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    argmax: int = 0
+    q_token: list[float] | None = None
+    tv_if_fixed: list[float] | None = None
+
+    def record(self, tokens: Any, logits: Any, scores: Any) -> None:
+        import torch
+
+        q = torch.softmax(logits[0].double(), -1)
+        p = torch.softmax(scores[0, : q.shape[0]].double(), -1)
+        assert self.q_token is not None and self.tv_if_fixed is not None
+        for i, d in enumerate(tokens.tolist()):
+            self.argmax += int(d == int(q[i].argmax()))
+            self.q_token.append(float(q[i, d]))
+            a = min(1.0, float(p[i, d] / q[i, d]))
+            resid = torch.clamp(p[i] - q[i], min=0)
+            r = resid / resid.sum() if float(resid.sum()) > 0 else p[i]
+            out = (1 - a) * r
+            out[d] += a
+            self.tv_if_fixed.append(0.5 * float((out - p[i]).abs().sum()))
+
+
+def _instrument(target: Any) -> None:
+    """Wrap the target's candidate generators (on the instance) to feed `target._drafts`."""
+    if getattr(target, "_bench_instrumented", False):
+        return
+    orig = type(target)._get_candidate_generator
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        cg = orig(target, *args, **kwargs)
+        get, update = cg.get_candidates, cg.update_candidate_strategy
+        pending: list[Any] = []
+
+        def get_candidates(input_ids: Any, **kw: Any) -> Any:
+            ids, logits = get(input_ids, **kw)
+            n = int(ids.shape[1] - input_ids.shape[1])
+            target._drafts.drafted += n
+            pending[:] = [ids[0, input_ids.shape[1] :], logits] if n and logits is not None else []
+            return ids, logits
+
+        def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: int) -> Any:
+            target._drafts.accepted += int(num_matches)
+            if pending:
+                target._drafts.record(pending[0], pending[1], scores)
+            return update(input_ids, scores, num_matches)
+
+        cg.get_candidates = get_candidates
+        cg.update_candidate_strategy = update_candidate_strategy
+        return cg
+
+    target._get_candidate_generator = make
+    target._bench_instrumented = True
+
+
+def sample(
+    setup: Setup, sampler: str, tokens: int, seeds: range, speculative: bool
+) -> tuple[list[tuple[int, ...]], Drafts]:
+    """`generate()` once per seed, and what the candidate generator drafted."""
+    import torch
+
+    target = setup.target
+    _instrument(target)
+    target._drafts = drafts = Drafts(q_token=[], tv_if_fixed=[])
+    kw = _sampler_kwargs(sampler) | (setup.extra if speculative else {})
+    x = torch.tensor([PROMPT])
+    got: list[tuple[int, ...]] = []
+    for s in seeds:
+        torch.manual_seed(s)
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            out = target.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=tokens,
+                min_new_tokens=tokens, pad_token_id=0, **kw,
+            )  # fmt: skip
+        got.append(tuple(int(t) for t in out[0, len(PROMPT) :]))
+    return got, drafts
+
+
+def compare(
+    draws: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], tokens: int
+) -> tuple[float, int, float, float, list[float]]:
+    """G statistic, degrees of freedom, p, joint TV and per-position marginal TVs."""
+    n = len(draws)
+    counts = Counter(draws)
+    outside = sum(c for k, c in counts.items() if k not in exact)
+    cells = sorted(exact, key=lambda k: -exact[k])
+    obs: list[float] = []
+    exp: list[float] = []
+    pool_o, pool_e = 0.0, 0.0
+    for k in cells:
+        e = exact[k] * n
+        if e >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    if outside:  # tokens the target forbids: impossible under the null
+        g, p = float("inf"), 0.0
+    elif len(obs) < 2:  # too few samples for even two cells: no test
+        g, p = 0.0, 1.0
+    else:
+        g, p = stats.power_divergence(obs, exp, lambda_="log-likelihood")
+    keys = set(exact) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+    tvs = []
+    for i in range(tokens):
+        m_exact: Counter[int] = Counter()
+        for k, pr in exact.items():
+            m_exact[k[i]] += pr  # type: ignore[assignment]
+        m_obs = Counter(d[i] for d in draws)
+        toks = set(m_exact) | set(m_obs)
+        tvs.append(0.5 * sum(abs(m_obs.get(t, 0) / n - m_exact.get(t, 0.0)) for t in toks))
+    return float(g), len(obs) - 1, float(p), tv, tvs
+
+
+def measure(name: str, setup: Setup, sampler: str, tokens: int, seeds: range) -> list[Row]:
+    exact = exact_joint(setup.target, sampler, tokens)
+    rows = []
+    for speculative in (True, False):
+        t0 = time.monotonic()
+        draws, c = sample(setup, sampler, tokens, seeds, speculative)
+        g, dof, p, tv, tvs = compare(draws, exact, tokens)
+        row = Row(
+            name, sampler, "speculative" if speculative else "plain", len(seeds), None, None,
+            g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0,
+        )  # fmt: skip
+        if speculative:
+            row.drafted, row.accepted, row.argmax_drafts = c.drafted, c.accepted, c.argmax
+            if c.q_token and c.tv_if_fixed:
+                row.q_token_median = float(np.median(c.q_token))
+                row.tv_if_fixed_median = float(np.median(c.tv_if_fixed))
+                row.tv_if_fixed_max = float(np.max(c.tv_if_fixed))
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--generators", default=",".join(GENERATORS))
+    ap.add_argument("--seeds", type=int, default=3000)
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--samplers", default=",".join(SAMPLERS))
+    ap.add_argument("--alpha", type=float, default=0.01)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    try:
+        import torch
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        print(f"needs torch and transformers: {e}", file=sys.stderr)
+        return 2
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    seeds = range(1, a.seeds + 1)
+    rows: list[Row] = []
+    notes: dict[str, str] = {}
+    verdicts: dict[str, str] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, sampler in itertools.product(a.generators.split(","), a.samplers.split(",")):
+                if name not in notes:
+                    setup = SETUPS[name](Path(tmp))
+                    notes[name] = setup.note
+                    print(f"{name}: {setup.note}", flush=True)
+                spec, plain = measure(name, setup, sampler, a.tokens, seeds)
+                rows += [spec, plain]
+                for r in (spec, plain):
+                    tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
+                    print(
+                        f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
+                        f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g} "
+                        f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {r.seconds:.0f}s",
+                        flush=True,
+                    )
+                if spec.tv_if_fixed_median is not None:
+                    fixed = spec.argmax_drafts == spec.drafted  # argmax drafting: no sampling
+                    print(
+                        f"    drafts that were q's argmax: {spec.argmax_drafts}/{spec.drafted}; "
+                        f"median q(draft) {spec.q_token_median:.3f}"
+                        + (
+                            f"; exact TV of the output from p at a drafted position: median "
+                            f"{spec.tv_if_fixed_median:.3f}, max {spec.tv_if_fixed_max:.3f}"
+                            if fixed
+                            else " (drafts sampled from q)"
+                        ),
+                        flush=True,
+                    )
+                if plain.p_value < a.alpha / 10:
+                    raise Invalid(
+                        f"{name} {sampler}: the plain reference fails (p={plain.p_value})"
+                    )
+                bad = spec.p_value < a.alpha
+                if bad or name not in verdicts:
+                    verdicts[name] = "BROKEN" if bad else "PRESERVED"
+    except Invalid as e:
+        print(f"invalid measurement: {e}", file=sys.stderr)
+        return 2
+    for name, v in verdicts.items():
+        print(f"{name}: {v}")
+    if a.json:
+        doc = {"notes": notes, "verdicts": verdicts, "rows": [asdict(r) for r in rows]}
+        a.json.write_text(json.dumps(doc, indent=1))
+    return 1 if "BROKEN" in verdicts.values() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
