@@ -30,7 +30,7 @@ The logprob mutants (``lp-*``: bugs in what spec-logprobs *reports*, not in what
 get a fidelity row each instead, next to stock and spec-logprobs as controls: every token of
 `--fidelity-seeds` seeds x 16 tokens x each probe kind (both endpoints, pre- and
 post-sampling, streamed and not; `fidelity_probe.DEFAULT_KINDS`) classified against the closed
-form (`specaudit.check.fidelity`), with the tolerance measured from the plain server's spread;
+form (`specaudit.fidelity`), with the tolerance measured from the plain server's spread;
 beside it what `specaudit check`'s classification says of the same tokens.
 
 The MTP mutants (``mtp-*``: bugs in ``--spec-type draft-mtp``'s driver) get rows of their own,
@@ -58,8 +58,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specaudit import distribution, fixtures, llama
-from specaudit.check import fidelity, fidelity_probe
+from specaudit import distribution, fidelity, fixtures, llama
+from specaudit.check import fidelity_probe
 from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
 from specaudit.llama import presets, sources

@@ -9,7 +9,7 @@ process, refused when it speculates (``/slots``) or serves another model (``/v1/
 metadata and a probe prompt's distribution).
 
 Transport only: what the answers mean lives with their readers, the PIT values and tests in
-`specaudit.rescore`, the fidelity classes in `specaudit.check.fidelity`. Both import this module;
+`specaudit.rescore`, the fidelity classes in `specaudit.fidelity`. Both import this module;
 it imports neither, so `check --reference` does not load the re-scored run and `rescore` does
 not load `check`.
 """
@@ -477,7 +477,7 @@ class Reference:
 
 
 class ServerReference:
-    """A plain llama-server as a synchronous reference (a `check.fidelity.NextTokenSource`): for
+    """A plain llama-server as a synchronous reference (a `fidelity.NextTokenSource`): for
     each prefix, the processed distribution over the sampler's support (`support` candidates)
     and the raw top-`raw_probs` log-probabilities (`ask_next_token`), cached per prefix.
     Refuses a speculating server like `Reference`."""

@@ -45,8 +45,8 @@ from typing import Any
 import pytest
 
 from shared_servers import SharedServers
-from specaudit import check, llama
-from specaudit.check import fidelity, fidelity_probe, with_reference
+from specaudit import check, fidelity, llama
+from specaudit.check import fidelity_probe, with_reference
 from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.fixtures import SamplerSettings
 from specaudit.llama.build import LlamaBinaries

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from shared_servers import SharedServers
-from specaudit import check, fixtures, llama
-from specaudit.check import fidelity, fidelity_probe
+from specaudit import check, fidelity, fixtures, llama
+from specaudit.check import fidelity_probe
 from specaudit.check.fidelity_probe import FidelityRun
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve

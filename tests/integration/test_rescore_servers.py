@@ -17,7 +17,7 @@ import pytest
 
 from shared_servers import SharedServers
 from specaudit import fixtures, llama
-from specaudit.check.fidelity import FixtureReference
+from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER, SamplerSettings
 from specaudit.llama.patches import resolve, resolve_all
 from specaudit.llama.presets import draft_chain

@@ -77,7 +77,12 @@ def test_the_builtin_entries_declare_what_they_need() -> None:
     assert [o.flag for o in e["transformers"].options] == ["--generator"]
     assert e["openvino"].extra == "openvino"
     assert [o.flag for o in e["openvino"].options] == ["--ov-path", "--ov-logprobs"]
-    assert [o.flag for o in e["vllm"].options] == ["--vllm-url", "--vllm-fix", "--vllm-method"]
+    assert [o.flag for o in e["vllm"].options] == [
+        "--vllm-url",
+        "--vllm-fix",
+        "--vllm-logprobs-mode",
+        "--vllm-method",
+    ]
 
 
 def test_two_engines_cannot_share_an_option() -> None:

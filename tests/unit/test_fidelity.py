@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from specaudit import fixtures, logprobs
-from specaudit.check import fidelity
-from specaudit.check.fidelity import Fidelity, FidelityError, NoiseFloor
+from specaudit import fidelity, fixtures, logprobs
+from specaudit.fidelity import Fidelity, FidelityError, NoiseFloor
 from specaudit.logprobs import TokenRecord
 from specaudit.reference import NextToken
 

@@ -16,8 +16,8 @@ import pytest
 
 from fakes import Answer, Asked, Canned, route_clients
 from specaudit import fixtures
-from specaudit.check.fidelity import FixtureReference
 from specaudit.distribution.results import END, OTHER, SPECIAL_CODES, DistError
+from specaudit.fidelity import FixtureReference
 from specaudit.fixtures import REPORT_SAMPLER
 from specaudit.rescore import engines
 from specaudit.rescore.records import RescoreError

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from specaudit import logprobs
-from specaudit.check import fidelity, fidelity_probe
-from specaudit.check.fidelity import Fidelity, NoiseFloor
+from specaudit import fidelity, logprobs
+from specaudit.check import fidelity_probe
+from specaudit.fidelity import Fidelity, NoiseFloor
 from specaudit.logprobs import AlignmentError, align, held_back, utf8_complete
 from specaudit.reference import NextToken
 

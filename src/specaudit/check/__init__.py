@@ -2,9 +2,9 @@
 
 By concern: `probes` (every endpoint probed, tokens classified, /slots vs /props, the
 per-request switch probe, `run`: the command's API, re-exported here), `rows` (the table rows
-the terminal and the audit report share), `fleet` (many deployments at once), `fidelity` (each
-reported value against a reference: the classes and the measured tolerance), `fidelity_probe`
-(asking a server for its logprobs and classifying them), `with_reference` (`check --reference`).
+the terminal and the audit report share), `fleet` (many deployments at once), `fidelity_probe`
+(asking a server for its logprobs and classifying them by `specaudit.fidelity`'s rules, which
+`dist` shares for vLLM), `with_reference` (`check --reference`).
 
 Light on purpose: importing the package loads `probes` only (no numpy), so `check --help` stays
 fast; the fidelity modules load when a reference is given.

@@ -1,5 +1,5 @@
 """Logprob fidelity of a running server: ask it for its logprobs on every way a client can
-(`ProbeKind`) and classify each token against a reference (`specaudit.check.fidelity`).
+(`ProbeKind`) and classify each token against a reference (`specaudit.fidelity`).
 
 Why apart from the rules: this is the HTTP side (requests, streams, draft counts, a plain
 server's own noise floor); the classes and the tolerance are pure functions of records and
@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from specaudit.check.fidelity import (
+from specaudit.client import ENDPOINTS, Client
+from specaudit.fidelity import (
     FidelityCounts,
     FidelityError,
     FidelityResult,
@@ -24,7 +25,6 @@ from specaudit.check.fidelity import (
     classify,
     noise_floor,
 )
-from specaudit.client import ENDPOINTS, Client
 from specaudit.logprobs import (
     Counts,
     TokenRecord,

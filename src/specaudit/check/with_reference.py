@@ -1,5 +1,5 @@
 """`check --reference`: the logprobs a server reports, compared value by value with a plain
-reference server of the same model (`specaudit.check.fidelity`, asked by
+reference server of the same model (`specaudit.fidelity`, asked by
 `specaudit.check.fidelity_probe`).
 
 Why apart from `check`: `check` tells placeholders from numbers with one request per endpoint
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specaudit.check import fidelity, fidelity_probe
+from specaudit import fidelity
+from specaudit.check import fidelity_probe
 from specaudit.client import Client, ClientError
 from specaudit.errors import SpecauditError
 from specaudit.fixtures import SamplerSettings

@@ -45,7 +45,6 @@ import numpy as np
 
 from specaudit import fixtures, speculation
 from specaudit import validate as checks
-from specaudit.check.fidelity_vllm import MODES as LOGPROBS_MODES  # vLLM's default first
 from specaudit.distribution.inprocess import TruthCheck, one_line
 from specaudit.distribution.registry import EngineEntry, EngineOption, Register, RunContext, Unit
 from specaudit.distribution.request import DistRequest
@@ -54,6 +53,7 @@ from specaudit.distribution.truth import encode_ids
 from specaudit.errors import SpecauditError
 from specaudit.llama.process import last_error, log_tail
 from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
+from specaudit.vllm.fidelity import MODES as LOGPROBS_MODES  # vLLM's default first
 from specaudit.vllm.fixes import resolve as resolve_fixes
 
 METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle")
@@ -382,12 +382,12 @@ def logprobs_fidelity(
     mode: str | None,
 ) -> str:
     """The server's logprobs under the workload, classified against the closed form
-    (`specaudit.check.fidelity_vllm`): a line for the notes. `mode` is the server's
+    (`specaudit.vllm.fidelity`): a line for the notes. `mode` is the server's
     ``--logprobs-mode`` when dist started it; for a server at a URL (None) both readings are
     tried and the one the numbers agree with is named. "Correct" allows the truth check's
     tolerance: the one the server was admitted with."""
-    from specaudit.check import fidelity as fid
-    from specaudit.check import fidelity_vllm as fv
+    from specaudit import fidelity as fid
+    from specaudit.vllm import fidelity as fv
 
     ref = fid.FixtureReference(spec, workload.sampler)
     letters = {i for i, t in enumerate(spec.tokens) if t in set(spec.letters)}

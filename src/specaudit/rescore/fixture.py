@@ -1,6 +1,6 @@
 """The fixture draft's distribution, in closed form: where the draft is known, the re-scored
 test's draft-aimed parts (the favourite, `rescore.draft_lr`) aim at what it really proposes.
-(The closed form as a reference is `specaudit.check.fidelity.FixtureReference`.)
+(The closed form as a reference is `specaudit.fidelity.FixtureReference`.)
 """
 
 from __future__ import annotations

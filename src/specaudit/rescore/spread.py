@@ -5,7 +5,7 @@ null rate).
 
 Why in `rescore` and not with the reference client (`specaudit.reference`): these are the
 re-scored run's rules about what a disagreement means; the client only asks and parses. The
-fidelity check measures its own floor (`specaudit.check.fidelity`).
+fidelity check measures its own floor (`specaudit.fidelity`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Logprob fidelity of a vLLM server: the logprobs its OpenAI completions endpoint returns,
-classified token by token against a reference (`specaudit.check.fidelity`'s four classes).
+classified token by token against a reference (`specaudit.fidelity`'s four classes). Used by
+`dist --engine vllm`; it imports no command (`check`, `rescore`), so none loads another.
 
 Why apart from `fidelity_probe`: vLLM speaks neither llama-server's ``/completion`` nor its
 ``post_sampling_probs``. What its numbers mean is a server setting, ``--logprobs-mode``:
@@ -23,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from specaudit.check.fidelity import (
+from specaudit.fidelity import (
     Fidelity,
     FidelityCounts,
     FidelityError,

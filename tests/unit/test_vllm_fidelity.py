@@ -1,4 +1,4 @@
-"""vLLM's logprobs read and classified (`check.fidelity_vllm`) on answers built from the
+"""vLLM's logprobs read and classified (`vllm.fidelity`) on answers built from the
 fixture's closed form, with a fake vLLM behind httpx's mock transport: what a correct server
 sends in each ``--logprobs-mode`` is real-correct in that mode and wrong read the other way
 (so a server whose mode is not known is read the way its numbers agree with); a placeholder
@@ -13,10 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from specaudit import fixtures
-from specaudit.check import fidelity
-from specaudit.check import fidelity_vllm as fv
-from specaudit.check.fidelity import Fidelity, FidelityError
+from specaudit import fidelity, fixtures
+from specaudit.fidelity import Fidelity, FidelityError
+from specaudit.vllm import fidelity as fv
 
 SAMPLER = fixtures.SamplerSettings(top_k=0, top_p=0.8, min_p=0.0, temperature=1.0)
 PROMPT = "bcdbc"
