@@ -2,13 +2,16 @@
 fixture.
 
 The fixture's EAGLE3 head (`fixtures.eagle3_draft`, arch eagle3, ``target_layers`` [0, 0, 0])
-is handed the target's hidden states, proposes greedily and is verified by sample-and-match,
-so every sample must equal the plain server's for its seed, token for token, and the verdict
-must be PRESERVED while the head drafts.
+attends to its own position of the draft context, so it proposes the draft table's argmax for
+the token it is fed, then for its own proposal (a greedy chain, the closed form
+`eagle3_greedy_draft`); the target hidden state it is handed cancels in its layer. About a
+third of its drafts are accepted, so sample-and-match verification runs hundreds of times, and
+every sample must still equal the plain server's for its seed, token for token.
 
-The servers are the session's "fixture-eagle3" (one slot: `presets.for_preset`) and
-"fixture-plain"; the EAGLE3 server's 1000 samples are drawn once, one request at a time, for
-both tests.
+The servers are the session's "fixture-eagle3" (one slot: `presets.for_preset`; b11434's
+backend draft sampling returns wrong candidates for EAGLE3 with several slots busy,
+docs/upstream/llama-server-eagle3-backend-sampling.md) and "fixture-plain"; the EAGLE3
+server's samples are drawn once, one request at a time, for both tests.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from specaudit.distribution.truth import encode_text
 from specaudit.fixtures.truth import eagle3_greedy_draft
 from specaudit.stats import Verdict
 
-SEEDS = range(1, 1001)  # the report's 1000 seeds: enough to certify TV <= 0.15
+# deterministic (sample-and-match keeps every seed's plain sample): PRESERVED from about 500
+# seeds on (TV bound 0.144 at 500, 0.134 at 600; measured 2026-12-06)
+SEEDS = range(1, 601)
+MIN_ACCEPTED_SHARE = 0.2  # measured 580 of 1574 drafted at 600 seeds (0.37)
 
 
 def _collect(
@@ -38,13 +44,13 @@ def _collect(
 
 @pytest.fixture(scope="module")
 def eagle3_samples(audit_ctx: AuditContext) -> list[distribution.Sample]:
-    """The EAGLE3 server's samples, seeds 1..1000, one request at a time."""
+    """The EAGLE3 server's samples, seeds 1..600, one request at a time."""
     srv = audit_ctx.server("fixture-eagle3")
     assert srv.parallel == 1
     return _collect(srv.url, audit_ctx.fixture, "eagle3", concurrency=1)
 
 
-def test_eagle3_head_drafts_and_keeps_the_distribution(
+def test_eagle3_head_gets_a_third_of_its_drafts_accepted_and_keeps_the_distribution(
     audit_ctx: AuditContext, eagle3_samples: list[distribution.Sample]
 ) -> None:
     fs, samples = audit_ctx.fixture, eagle3_samples
@@ -56,14 +62,13 @@ def test_eagle3_head_drafts_and_keeps_the_distribution(
     print(f"\neagle3, seeds 1..{SEEDS[-1]}: {e.verdict.value}, {e.drafted} drafted, "
           f"{e.accepted} accepted")  # fmt: skip
     assert e.verdict is Verdict.PRESERVED, e.reason
-    assert e.drafted is not None and e.drafted > len(SEEDS)
-    assert e.accepted is not None and 0 < e.accepted < e.drafted
+    assert e.drafted is not None and e.accepted is not None
+    # verification really ran: hundreds of accepted drafts, a share no longer negligible
+    assert e.accepted >= 100 and e.accepted / e.drafted > MIN_ACCEPTED_SHARE
+    assert e.accepted < e.drafted  # and rejected ones too
     # sample-and-match: the target's own draw at every position, as without a draft
     plain = _collect(audit_ctx.server("fixture-plain").url, fs, "plain")
     assert [s.text for s in samples] == [s.text for s in plain]
-    # one slot (several abort now and then in b11434): every sample's counts are the closed form's
-    strays = sum(_counts(fs, s) != (s.drafted, s.accepted) for s in samples)
-    assert strays == 0, f"{strays} of {len(samples)} samples' counts off the closed form"
 
 
 def _counts(fs: fixtures.FixtureSet, s: distribution.Sample) -> tuple[int, int]:
@@ -75,10 +80,12 @@ def test_one_slot_eagle3_drafts_exactly_the_closed_form(
     audit_ctx: AuditContext, eagle3_samples: list[distribution.Sample]
 ) -> None:
     """On one slot, one request at a time, every sample's drafted/accepted counts are what
-    the head's closed-form greedy drafts give (it is handed the hidden state of the token
-    before the one it is fed). With four slots and concurrent requests b11434 strays from it
-    on a few samples (measured 1-6 of 1000): EAGLE3 draft state that depends on the other
-    slots. Draft-side only: the samples stay the plain server's."""
+    the head's closed-form greedy chain gives (`eagle3_greedy_draft`: the draft table's argmax
+    from the token it is fed on). With four slots and b11434's default backend draft sampling
+    the counts stray on tens of samples per 1000 and the server aborts now and then
+    (docs/upstream/llama-server-eagle3-backend-sampling.md); with
+    ``--no-spec-draft-backend-sampling`` four slots give the closed form too. Draft-side only:
+    the samples stay the plain server's."""
     fs, samples = audit_ctx.fixture, eagle3_samples
     assert sum(s.drafted or 0 for s in samples) > len(SEEDS)
     assert [s for s in samples if _counts(fs, s) != (s.drafted, s.accepted)] == []

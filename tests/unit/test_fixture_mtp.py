@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from specaudit import fixtures as fx
-from specaudit.fixtures.definitions import MTP_HIDDEN_WEIGHT
-from specaudit.fixtures.reference import mtp_head, mtp_target_hidden
+from specaudit.fixtures.definitions import MTP_HIDDEN_WEIGHT, FixtureKind
+from specaudit.fixtures.reference import eagle3_head, mtp_head, mtp_target_hidden
 from specaudit.fixtures.specs import _random_table
 from specaudit.fixtures.truth import eagle3_greedy_draft, mtp_greedy_draft
+from specaudit.fixtures.writer import EAGLE3_MIN_MARGIN, eagle3_self_attention_margin
 
 R = fx.REPORT_SAMPLER
 SPEC = fx.spec_for_kind("mtp")
@@ -233,8 +234,37 @@ def test_eagle3_head_is_written_next_to_a_llama_fixture_deterministically(tmp_pa
         fx.eagle3_draft(fx.build(tmp_path / "m", kind="mtp"))
 
 
-def test_eagle3_greedy_draft_repeats_the_draft_tables_argmax_after_the_previous_letter() -> None:
+def test_eagle3_greedy_draft_chains_the_draft_tables_argmax_from_the_fed_token() -> None:
     spec = fx.default_spec()
-    for prev in spec.letters:
-        want = spec.letters[int(np.argmax(spec.draft[spec.letters.index(prev)]))]
-        assert eagle3_greedy_draft(spec, prev, "a", 3) == want * 3
+    table = np.asarray(spec.draft)
+    for last in spec.letters:
+        want, token = "", last
+        for _ in range(3):
+            token = spec.letters[int(np.argmax(table[spec.letters.index(token)]))]
+            want += token
+        for prev in ("a", "h"):  # the hidden state it is handed cancels
+            assert eagle3_greedy_draft(spec, prev, last, 3) == want
+
+
+@pytest.mark.parametrize("kind", ["last-token", "context"])
+def test_eagle3_head_attends_to_its_own_position_and_proposes_the_fed_tokens_row(
+    kind: FixtureKind,
+) -> None:
+    """The head's decoder over a full draft context (every position of the fixture's context
+    length, f16 K/V as the draft context stores them): each position attends to itself, the
+    hidden state it was handed cancels, its pre-norm output is the fed token's embedding (what
+    the next draft step is handed) and its logits are the draft table's row of that token."""
+    spec = fx.spec_for_kind(kind)
+    cfg, n = spec.config, len(spec.letters)
+    rng = np.random.default_rng(7)
+    seq = rng.integers(0, n, cfg.context_length + 1)
+    g = np.zeros((cfg.context_length, cfg.n_embd))
+    g[np.arange(cfg.context_length), seq[:-1]] = cfg.embedding_value  # fc of layer 0's input
+    logits, out, weights = eagle3_head(spec, [int(x) for x in seq[1:]], g)
+    assert np.einsum("hpp->hp", weights).min() > 1.0 - 1e-12
+    want = np.zeros_like(out)
+    want[np.arange(cfg.context_length), seq[1:]] = cfg.embedding_value
+    assert np.abs(out - want).max() < 1e-6
+    rows = np.asarray(spec.draft)[seq[1:]]
+    np.testing.assert_allclose(logits[:, :n], rows, atol=1e-6)
+    assert eagle3_self_attention_margin(spec) >= EAGLE3_MIN_MARGIN

@@ -59,7 +59,7 @@ PATH_HELP: dict[str, str] = {
     "mtp-rejection": "--spec-type draft-mtp --spec-draft-sampling probabilistic: rejection "
     "sampling of the MTP layer's drafts (T > 0; the mtp fixture)",
     "eagle3": "--spec-type draft-eagle3, -md the fixture's EAGLE3 head: drafts from the "
-    "target's hidden states, sample-and-match",
+    "token it is fed and the target's hidden states, sample-and-match",
     "replay": "draft model, greedy, on a Mamba target: a partial acceptance restores the "
     "target's checkpoint and re-verifies what was accepted (the replay fixture)",
     "replay-rejection": "draft model, --spec-draft-sampling probabilistic, on a Mamba target: "
@@ -114,8 +114,9 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
         "draft-eagle3",
         ("eagle3",),
         "-md the fixture's EAGLE3 head (fixtures.eagle3_draft: arch eagle3, target_layers "
-        "[0, 0, 0], fc over the target's hidden states, one zeroed layer, the draft table as "
-        "its output): argmax drafts verified by sample-and-match",
+        "[0, 0, 0], fc over the target's hidden states, one layer attending to its own "
+        "position, the draft table as its output): the table's greedy chain from the fed "
+        "token, verified by sample-and-match",
     ),
     (
         "draft-dflash",

@@ -58,7 +58,8 @@ PATHS = (
 # "plain".
 MTP_PATHS = ("mtp", "mtp-rejection")
 # "eagle3": `--spec-type draft-eagle3` with the fixture's EAGLE3 head as -md
-# (fixtures.eagle3_draft), on the llama fixtures; argmax drafts, sample-and-match.
+# (fixtures.eagle3_draft), on the llama fixtures; argmax drafts (the draft table's greedy chain
+# from the fed token), sample-and-match.
 MTP_MODEL_PATHS = ("plain", *MTP_PATHS)
 # The checkpoint replay paths: the replay fixture (fixtures kind "replay", model
 # "fixture-replay") has a Mamba target, whose recurrent memory cannot drop a rejected draft
@@ -374,9 +375,10 @@ def for_preset(
     """The `LlamaServer` (not started) of a named role (`name`: the server's, default the
     role's)."""
     if preset.spec_type == "draft-eagle3":
-        # b11434's EAGLE3 drafter shares draft state between slots: with several slots busy it
-        # aborts now and then in common_batch::get_sub_batch ("failed to add token <garbage>",
-        # from common_speculative_impl_draft_eagle3::draft). One slot keeps it measurable.
+        # b11434's backend draft sampling (on by default) hands the EAGLE3 drafter wrong
+        # candidates with several slots busy: drafts off the closed form, and now and then an
+        # abort in common_batch::get_sub_batch ("failed to add token <a logit's float bits>",
+        # docs/upstream/llama-server-eagle3-backend-sampling.md). One slot keeps it measurable.
         parallel = 1
     return server(
         binaries,
