@@ -574,8 +574,14 @@ def _started(
                 )  # fmt: skip
                 yield Unit(eng)
             except httpx.HTTPError as e:
+                # e.g. the logprobs probe's first request killed the engine: name vLLM's own
+                # exception from the log, which stays
                 dead = "" if srv.alive() else "the server died: "
-                raise DistError(f"{where}: {dead}{type(e).__name__}: {one_line(e)}") from None
+                cause = f" (log {srv.log_path}: {root_cause(srv.log_path)})" if srv.log_path else ""
+                srv.stop(keep_log=True)
+                raise DistError(
+                    f"{where}: {dead}{type(e).__name__}: {one_line(e)}{cause}"
+                ) from None
             except GeneratorExit:  # closed early: measuring failed, or the run stopped
                 srv.stop(keep_log=True)  # a failure names the log: it stays
                 raise
