@@ -372,6 +372,13 @@ class Reference:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        # questions still in flight are shielded from their callers' cancellation (an
+        # interrupted run): end them before the client closes under them, or each would fail
+        # unobserved and asyncio would print its traceback at exit
+        pending = list(self._asking.values())
+        for f in pending:
+            f.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await self._client.aclose()
 
     async def prepare(self) -> ModelIdentity:

@@ -190,6 +190,42 @@ def test_interrupts_and_message_exits_are_never_verdicts(
     assert one_error_line(cli("check", "http://h")) == "error: the server is gone"
 
 
+# A command's event loop interrupted by a real signal: the KeyboardInterrupt raised inside a task
+# (SIGTERM's handler) or asyncio.run's own SIGINT cancellation. asyncio used to log "Task
+# exception was never retrieved" with a traceback after the one line, at interpreter exit.
+_LOOP_INTERRUPTED = """
+import asyncio, os, signal, sys, threading
+import specaudit.cli as c
+import specaudit.check as check
+
+def run(*a, **k):
+    async def one():  # busy in Python code: the signal's exception is raised inside a task
+        while True:
+            sum(range(10_000))
+            await asyncio.sleep(0)
+    async def go():  # as rescore's: requests gathered, a client closed on the way out
+        try:
+            await asyncio.gather(*(one() for _ in range(3)))
+        finally:
+            await asyncio.sleep(0)
+    threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, sys.argv[1]))).start()
+    asyncio.run(go())
+
+check.run = run
+c.main(["check", "http://127.0.0.1:9"])
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_inside_an_event_loop_is_one_line_and_130(sig: str) -> None:
+    p = subprocess.run(
+        [sys.executable, "-c", _LOOP_INTERRUPTED, sig],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == EXIT_INTERRUPTED, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.strip() == "error: interrupted", p.stderr[-2000:]
+
+
 def test_a_click_error_inside_a_command_is_2_not_click_s_1(
     cli: CliFn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ transport, with delays so that requests really overlap."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from typing import Any
 
@@ -157,3 +158,32 @@ def test_a_waiting_pinned_caller_holds_new_questions_back() -> None:
 
     asyncio.run(go())
     assert order == ["q1+", "q1-", "pinned", "q2+", "q2-"]
+
+
+def test_closing_the_reference_ends_questions_whose_callers_were_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupted run cancels the seeds' tasks, but their questions are shielded (other
+    callers may share them): leaving the reference must end them, not close the client under
+    them (each would fail unobserved and asyncio print its traceback at exit)."""
+    tr = Overlaps()
+    monkeypatch.setattr(client, "default_transport", tr)
+    unobserved: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: unobserved.append(c))
+        async with refmod.Reference(URL, SAMPLER, concurrency=4) as ref:
+            await ref.prepare()
+            callers = [asyncio.ensure_future(ref.next_token([4, i])) for i in range(8)]
+            await asyncio.sleep(0.005)  # the first questions are in flight, the rest wait
+            for c in callers:
+                c.cancel()
+            await asyncio.gather(*callers, return_exceptions=True)
+            asking = list(ref._asking.values())
+            assert asking, "no question was left in flight: the test shows nothing"
+        assert all(f.done() for f in asking)
+        await asyncio.sleep(0.05)  # a question still running would fail here, unobserved
+
+    asyncio.run(go())
+    gc.collect()
+    assert not unobserved, unobserved

@@ -144,7 +144,15 @@ def cli() -> None:
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
-    # Turn SIGTERM into an exception so context managers stop the servers we started.
+    """SIGTERM is handled as SIGINT is, so context managers stop the servers we started.
+
+    Inside `asyncio.run` SIGINT's handler is asyncio's own: it cancels the main task and
+    raises KeyboardInterrupt once the loop has unwound. Raising here instead would raise inside
+    whichever task runs, and asyncio would print that task's traceback at exit."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not _sigterm:
+        handler(signal.SIGINT, frame)
+        return
     raise KeyboardInterrupt
 
 
