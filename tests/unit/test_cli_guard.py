@@ -190,11 +190,14 @@ def test_interrupts_and_message_exits_are_never_verdicts(
     assert one_error_line(cli("check", "http://h")) == "error: the server is gone"
 
 
-# A command's event loop interrupted by a real signal: the KeyboardInterrupt raised inside a task
-# (SIGTERM's handler) or asyncio.run's own SIGINT cancellation. asyncio used to log "Task
-# exception was never retrieved" with a traceback after the one line, at interpreter exit.
+# A command's event loop interrupted by a real signal: asyncio.run's own SIGINT handling, SIGTERM
+# (handled as SIGINT), and SIGTERM while SIGINT is ignored (a background job of a shell without
+# job control: the KeyboardInterrupt is raised inside whichever task runs). asyncio used to print
+# "Task exception was never retrieved" with a traceback after the one line, at exit.
 _LOOP_INTERRUPTED = """
 import asyncio, os, signal, sys, threading
+ign = sys.argv[2] == "ignored"
+signal.signal(signal.SIGINT, signal.SIG_IGN if ign else signal.default_int_handler)
 import specaudit.cli as c
 import specaudit.check as check
 
@@ -216,10 +219,13 @@ c.main(["check", "http://127.0.0.1:9"])
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_inside_an_event_loop_is_one_line_and_130(sig: str) -> None:
+@pytest.mark.parametrize(
+    ("sig", "sigint"),
+    [("SIGTERM", "handled"), ("SIGINT", "handled"), ("SIGTERM", "ignored")],
+)
+def test_a_signal_inside_an_event_loop_is_one_line_and_130(sig: str, sigint: str) -> None:
     p = subprocess.run(
-        [sys.executable, "-c", _LOOP_INTERRUPTED, sig],
+        [sys.executable, "-c", _LOOP_INTERRUPTED, sig, sigint],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert p.returncode == EXIT_INTERRUPTED, (p.returncode, p.stderr[-2000:])

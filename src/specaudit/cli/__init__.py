@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import signal
 import sys
 from collections.abc import Mapping
@@ -166,6 +167,9 @@ def run(argv: list[str] | None = None) -> int:
         return _run(argv)
     except KeyboardInterrupt:
         _echo_err("error: interrupted")
+        # an interrupt raised inside a task (SIGTERM while SIGINT is ignored, as in a
+        # background job) leaves tasks that asyncio would report with tracebacks at exit
+        logging.getLogger("asyncio").disabled = True
         return EXIT_INTERRUPTED
     except Exception as e:  # the guard: anything else is a bug in specaudit
         try:
