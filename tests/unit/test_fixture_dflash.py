@@ -93,7 +93,9 @@ def test_dflash_drafts_are_rewritten_when_stale_and_stay_out_of_the_manifest(
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("markov", [False, True])
-def test_the_block_forward_drafts_what_the_closed_form_says(kind: FixtureKind, markov: bool) -> None:
+def test_the_block_forward_drafts_what_the_closed_form_says(
+    kind: FixtureKind, markov: bool
+) -> None:
     """The float64 forward of the GGUF tensors over a block, after random contexts: its
     argmaxes (DFlash: the mask slots; DSpark: from the anchor's slot on) are
     `truth.dflash_draft`, for every anchor letter."""
