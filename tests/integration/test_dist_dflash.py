@@ -95,7 +95,7 @@ def test_block_drafts_are_the_closed_forms_with_cpu_draft_sampling(
     """Every sample's drafted/accepted counts are what `truth.dflash_draft`'s drafts give,
     on four slots with ``--no-spec-draft-backend-sampling``. With b11434's default backend
     draft sampling DSpark's drafts stray on a few samples per 1000 when slots draft together
-    (measured 10, 0, 3 of 1000 in three runs; DFlash 0 of 2600; docs/dist.md), as EAGLE3's do:
+    (measured 2, 0, 10, 0, 3 of 1000 in five runs; DFlash 0 of 2600; docs/dist.md), as EAGLE3's do:
     draft-side only, the samples stay the plain server's (the test above)."""
     fs = audit_ctx.fixture
     markov = path == "dspark"
