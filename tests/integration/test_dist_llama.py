@@ -126,7 +126,7 @@ def test_audit_section(audit_ctx: audit.AuditContext, dist_section: audit.Sectio
                 # drafts no more in its slot, docs/dist.md): those few may all be rejected
                 if e.path not in ("ngram-map-k", "ngram-map-k4v"):
                     assert e.accepted > 0, (key, e.path)
-        assert {p for p, _ in res.not_covered} >= {"dflash/dspark", "synthetic"}
+        assert {p for p, _ in res.not_covered} >= {"synthetic"}
     res = sec.data["dist"]
     example = [e for e in res.engines if e.kind == "speculative-example"]
     assert len(example) == 1 and example[0].verdict is Verdict.BROKEN
@@ -178,7 +178,7 @@ def test_dist_run_server_every_path(
     assert rej.accepted is not None and greedy.accepted is not None and rej.drafted
     assert rej.accepted / rej.drafted > greedy.accepted / (greedy.drafted or 1)
     assert (tmp_path / "dist-ngram.log").is_file()
-    assert res.not_covered and "dflash/dspark" in {p for p, _ in res.not_covered}
+    assert res.not_covered and "synthetic" in {p for p, _ in res.not_covered}
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_the_cli_spells_the_library_choices() -> None:
     assert common.FIXTURE_KINDS == fixtures.KINDS
     assert distribution.PATHS == presets.PATHS == (
         "plain", "greedy", "rejection", "ngram", *NGRAM_TYPES, "mtp", "mtp-rejection",
-        "eagle3", "replay", "replay-rejection",
+        "eagle3", "dflash", "dspark", "replay", "replay-rejection",
     )  # fmt: skip
     assert set(distribution.PATH_ENGINES) == set(distribution.PATHS) == set(distribution.PATH_HELP)
 
@@ -75,7 +75,13 @@ def test_every_path_has_a_role_on_both_fixtures() -> None:
             assert p.spec_type == t and not p.uses_draft and p.variant == "stock"
             assert p.extra_args == presets.NGRAM_TYPE_ARGS[t]
     with pytest.raises(ValueError, match="path must be one of"):
-        presets.fixture_role("fixture", "dflash")
+        presets.fixture_role("fixture", "medusa")
+    for model in ("fixture", "fixture-context"):
+        for path, t in (("dflash", "draft-dflash"), ("dspark", "draft-dspark")):
+            p = presets.PRESETS[presets.fixture_role(model, path)]
+            assert p.spec_type == t and p.uses_draft and p.extra_args == ()
+    with pytest.raises(ValueError, match="does not run on"):
+        presets.fixture_role("fixture-mtp", "dflash")
     with pytest.raises(ValueError, match="does not run on"):
         presets.fixture_role("fixture", "mtp")
     with pytest.raises(ValueError, match="does not run on"):
@@ -118,7 +124,8 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("--path", "dflash"), "'dflash' is not one of"),
+        (("--path", "medusa"), "'medusa' is not one of"),
+        (("--fixture-kind", "mtp", "--path", "dspark"), "--path dspark needs a fixture of"),
         (("--fixture-kind", "mtp", "--path", "eagle3"), "--path eagle3 needs a fixture of"),
         (("--path", "mtp"), "--path mtp needs an mtp fixture (--fixture-kind mtp or mtp-context)"),
         (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
@@ -240,12 +247,12 @@ def test_server_runs_one_server_per_path(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert [e.path for e in res.engines] == list(coverage.kind_paths("last-token"))
     assert [k for _, k in measured] == [
         "server-plain", "server-spec", "server-spec-rejection", "server-ngram",
-        *(f"server-{t}" for t in NGRAM_TYPES), "server-eagle3",
+        *(f"server-{t}" for t in NGRAM_TYPES), "server-eagle3", "server-dflash", "server-dspark",
     ]  # fmt: skip
     names = [n for n, _ in started]
     assert names == [
         "dist-plain", "dist-spec", "dist-spec-probabilistic", "dist-ngram",
-        *(f"dist-{t}" for t in NGRAM_TYPES), "dist-eagle3",
+        *(f"dist-{t}" for t in NGRAM_TYPES), "dist-eagle3", "dist-dflash", "dist-dspark",
     ]  # fmt: skip
     argv = {n: a for n, a in started}
     assert "--spec-type" not in argv["dist-plain"] and "-md" not in argv["dist-plain"]
@@ -284,7 +291,9 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
         ("server",), binaries=bins, work_dir=tmp_path, seeds=5, sampler=greedy
     )
     res = distribution.run(req)
-    assert [e.path for e in res.engines] == ["plain", "greedy", "ngram", *NGRAM_TYPES, "eagle3"]
+    assert [e.path for e in res.engines] == [
+        "plain", "greedy", "ngram", *NGRAM_TYPES, "eagle3", "dflash", "dspark",
+    ]  # fmt: skip
     assert res.not_covered[0][0] == "rejection" and "temperature" in res.not_covered[0][1]
 
 
@@ -293,7 +302,7 @@ def test_paths_pick_and_temperature_zero_drops_rejection(
     [
         ({"paths": "greedy"}, "not one string"),
         ({"paths": ()}, "no --path given"),
-        ({"paths": ("greedy", "dflash")}, "unknown --path 'dflash'"),
+        ({"paths": ("greedy", "medusa")}, "unknown --path 'medusa'"),
         ({"paths": ("greedy", "mtp")}, "--path mtp needs an mtp fixture"),
         ({"engines": ("url",), "url": "http://127.0.0.1:9", "paths": ("plain",)}, "server engine"),
     ],
@@ -422,16 +431,16 @@ def test_the_coverage_table_lists_every_spec_type_with_its_verdict_and_counts() 
     assert rows["draft-mtp", "mtp-rejection"][1] == "yes"
     assert rows["draft-simple", "replay"][1:4] == ("yes", "replay", "not run")
     assert rows["draft-simple", "replay-rejection"][1] == "yes"
-    for t in ("draft-dflash", "draft-dspark"):
-        row = rows[t, "-"]
-        assert row[1:4] == ("no", "-", "-") and len(row[6]) > 40, t
+    for t, path in (("draft-dflash", "dflash"), ("draft-dspark", "dspark")):
+        assert rows[t, path][1:4] == ("yes", path, "not run"), t
+        assert (t, "-") not in rows  # covered: no "no" row left
     k4v = rows["ngram-map-k4v", "ngram-map-k4v"][6]
     assert "--spec-ngram-map-k4v-min-hits 1" in k4v and "sample-and-match" in k4v
     md = distribution.paths_markdown(res)
     assert "Every --spec-type of b11434:" in md
     assert "| ngram-cache | yes | ngram-cache | PRESERVED | 12 | 5 |" in md
     assert "| draft-mtp | yes | mtp | not run | - | - |" in md
-    assert "| draft-dflash | no | - | - | - | - |" in md
+    assert "| draft-dflash | yes | dflash | not run | - | - |" in md
     # no server path ran (a URL): no coverage table
     e.path = None
     assert "Every --spec-type" not in distribution.paths_markdown(res)

@@ -259,7 +259,7 @@ def test_audit_section_keeps_the_other_engines_and_names_each_failure_in_one_lin
     # every speculating path of the llama fixtures on both, the example on the last-token one,
     # and the MTP paths on the mtp fixture
     speculating = [p for p in kind_paths("last-token") if p != "plain"]
-    assert len(speculating) == 8 and len(failures) == 2 * len(speculating) + 1 + 2
+    assert len(speculating) == 10 and len(failures) == 2 * len(speculating) + 1 + 2
     mtp_name = sec.data["dist_mtp"].fixture
     for label in ("llama-server + MTP, greedy", "llama-server + MTP, rejection"):
         assert any(f.startswith(f"{mtp_name}: {label}: fixture-mtp-") for f in failures), label

@@ -170,6 +170,11 @@ class AuditContext:
             from specaudit import fixtures
 
             draft = fixtures.eagle3_draft(fs)  # the fixture's EAGLE3 head, not draft.gguf
+        block = {t: markov for t, markov in presets.BLOCK_DRAFT_PATHS.values()}
+        if preset.spec_type in block and fs is not None:
+            from specaudit import fixtures
+
+            draft = fixtures.dflash_draft(fs, markov=block[preset.spec_type])
         srv = presets.for_preset(
             preset,
             bins,

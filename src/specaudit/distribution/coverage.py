@@ -38,6 +38,8 @@ PATH_ENGINES: dict[str, tuple[str, str]] = {
     "mtp": ("llama-server + MTP, greedy", "server-mtp"),
     "mtp-rejection": ("llama-server + MTP, rejection", "server-mtp-rejection"),
     "eagle3": ("llama-server + EAGLE3 head", "server-eagle3"),
+    "dflash": ("llama-server + DFlash draft", "server-dflash"),
+    "dspark": ("llama-server + DSpark draft", "server-dspark"),
     "replay": ("llama-server (Mamba) + draft, greedy, replay", "server-replay"),
     "replay-rejection": (
         "llama-server (Mamba) + draft, rejection, replay",
@@ -60,6 +62,10 @@ PATH_HELP: dict[str, str] = {
     "sampling of the MTP layer's drafts (T > 0; the mtp fixture)",
     "eagle3": "--spec-type draft-eagle3, -md the fixture's EAGLE3 head: drafts from the "
     "token it is fed and the target's hidden states, sample-and-match",
+    "dflash": "--spec-type draft-dflash, -md the fixture's DFlash draft: a block of argmax "
+    "drafts from one non-causal pass anchored on the last token, sample-and-match",
+    "dspark": "--spec-type draft-dspark, -md the fixture's DSpark draft: the DFlash block plus a "
+    "Markov head chaining each draft on the one before, sample-and-match",
     "replay": "draft model, greedy, on a Mamba target: a partial acceptance restores the "
     "target's checkpoint and re-verifies what was accepted (the replay fixture)",
     "replay-rejection": "draft model, --spec-draft-sampling probabilistic, on a Mamba target: "
@@ -70,11 +76,6 @@ PATH_HELP: dict[str, str] = {
 
 # What no fixture can exercise, and why (listed under every run of the server engine).
 NOT_COVERED: tuple[tuple[str, str], ...] = (
-    (
-        "dflash/dspark",
-        "these drafters need draft GGUFs of their own (arch dflash: a block size, a mask "
-        "token; dspark adds a Markov head); none exist for the fixtures",
-    ),
     (
         "synthetic",
         "--spec-synth-len is benchmark-only synthetic acceptance: it never verifies a draft",
@@ -120,16 +121,20 @@ SPEC_TYPES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ),
     (
         "draft-dflash",
-        (),
-        "needs a draft GGUF of arch dflash (target layer ids, dflash.block_size, a mask "
-        "token); drafts a block's argmax in one pass, verified by sample-and-match; with the "
-        "fixture's zeroed attention the draft would be constant: no fixture built",
+        ("dflash",),
+        "-md the fixture's DFlash draft (fixtures.dflash_draft: arch dflash, target_layers "
+        "[0], dflash.block_size 4, UNK as the mask token): one non-causal pass over [last "
+        "token, mask, mask, mask] whose every position attends to the last token, drafting "
+        "the draft table's argmax for it three times; verified by sample-and-match",
     ),
     (
         "draft-dspark",
-        (),
-        "dflash's draft GGUF plus a Markov head (markov_w1/w2), anchor-first blocks; argmax "
-        "drafts, verified by sample-and-match: no fixture built",
+        ("dspark",),
+        "-md the fixture's DSpark draft (the DFlash draft plus a Markov head: markov_w1 the "
+        "identity, markov_w2 the draft table): anchor-first blocks, each draft the argmax of "
+        "the anchor's row (scaled) plus the previous draft's (mostly the table's greedy "
+        "chain, truth.dflash_draft); verified by "
+        "sample-and-match",
     ),
     _ngram("ngram-simple", "the tokens after the last earlier match of the last token"),
     _ngram("ngram-map-k", "a per-slot key map kept across requests"),

@@ -37,6 +37,7 @@ _SERVER_NAMES = {
     "mtp": "dist-mtp",
     "mtp-rejection": "dist-mtp-probabilistic",
     "eagle3": "dist-eagle3",
+    **{p: f"dist-{p}" for p in presets.BLOCK_DRAFT_PATHS},
     "replay": "dist-replay",
     "replay-rejection": "dist-replay-probabilistic",
 }
@@ -131,14 +132,18 @@ def spawn_server(
 
 
 def _draft_file(fixture: fixtures.FixtureSet, preset: presets.Preset) -> Path | None:
-    """The -md of a role: the fixture's draft model, its EAGLE3 head, or none."""
+    """The -md of a role: the fixture's draft model, its EAGLE3 head, its DFlash or DSpark
+    draft, or none."""
     if not preset.uses_draft:
         return None
-    if preset.spec_type == "draft-eagle3":
-        try:
+    block = {t: markov for t, markov in presets.BLOCK_DRAFT_PATHS.values()}
+    try:
+        if preset.spec_type == "draft-eagle3":
             return fixtures.eagle3_draft(fixture)
-        except fixtures.FixtureError as e:
-            raise DistError(str(e)) from None
+        if preset.spec_type in block:
+            return fixtures.dflash_draft(fixture, markov=block[preset.spec_type])
+    except fixtures.FixtureError as e:
+        raise DistError(str(e)) from None
     return Path(fixture.draft)
 
 
@@ -217,7 +222,9 @@ SERVER = EngineEntry(
             "draft model); mtp, mtp-rejection (--spec-type draft-mtp: the target's MTP "
             "layer drafts, greedy or probabilistic; only --fixture-kind mtp, which runs "
             "plain, mtp, mtp-rejection); eagle3 (--spec-type draft-eagle3: the fixture's "
-            "EAGLE3 head drafts from the target's hidden states); replay, "
+            "EAGLE3 head drafts from the target's hidden states); dflash, dspark "
+            "(--spec-type draft-dflash / draft-dspark: the fixture's DFlash or DSpark draft "
+            "drafts a block anchored on the last token); replay, "
             "replay-rejection (the draft model, greedy or probabilistic, on a Mamba "
             "target: llama-server's checkpoint replay path; only --fixture-kind replay, "
             "which runs plain, replay, replay-rejection).",

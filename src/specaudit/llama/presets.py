@@ -48,7 +48,7 @@ def draft_chain(sampler: SamplerSettings, top_k: int = DRAFT_TOP_K) -> SamplerSe
 PATHS = (
     "plain", "greedy", "rejection", "ngram",
     "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
-    "mtp", "mtp-rejection", "eagle3", "replay", "replay-rejection",
+    "mtp", "mtp-rejection", "eagle3", "dflash", "dspark", "replay", "replay-rejection",
 )  # fmt: skip
 # The MTP paths: `--spec-type draft-mtp` with no draft model drafts with the target's own
 # multi-token-prediction layer (a second, MTP-type context on the target model), greedy
@@ -60,6 +60,15 @@ MTP_PATHS = ("mtp", "mtp-rejection")
 # "eagle3": `--spec-type draft-eagle3` with the fixture's EAGLE3 head as -md
 # (fixtures.eagle3_draft), on the llama fixtures; argmax drafts (the draft table's greedy chain
 # from the fed token), sample-and-match.
+# "dflash", "dspark": `--spec-type draft-dflash` / `draft-dspark` with the fixture's DFlash or
+# DSpark draft as -md (fixtures.dflash_draft), on the llama fixtures; a block of argmax drafts
+# from one non-causal pass anchored on the last token (DSpark: chained by its Markov head),
+# sample-and-match (at temperature > 0 too: these drafters report no q).
+#: The spec-type of each block-drafter path, and whether its draft has DSpark's Markov head.
+BLOCK_DRAFT_PATHS: dict[str, tuple[str, bool]] = {
+    "dflash": ("draft-dflash", False),
+    "dspark": ("draft-dspark", True),
+}
 MTP_MODEL_PATHS = ("plain", *MTP_PATHS)
 # The checkpoint replay paths: the replay fixture (fixtures kind "replay", model
 # "fixture-replay") has a Mamba target, whose recurrent memory cannot drop a rejected draft
@@ -248,6 +257,12 @@ PRESETS: dict[str, Preset] = {
             Preset(f"{model}-eagle3", model, True, spec_type="draft-eagle3")
             for model in ("fixture", "fixture-context")
         ),
+        # DFlash, DSpark: -md is the fixture's block draft (fixtures.dflash_draft)
+        *(
+            Preset(f"{model}-{p}", model, True, spec_type=t)
+            for model in ("fixture", "fixture-context")
+            for p, (t, _) in BLOCK_DRAFT_PATHS.items()
+        ),
         # the n-gram types with the spec-logprobs patch (`check`, the patch-equality tests)
         *(
             Preset(f"fixture-{t}-patched", "fixture", True, "patched", spec_type=t, args=a)
@@ -293,6 +308,7 @@ _PATH_ROLES = {
     **{t: t for t in NGRAM_TYPE_ARGS},
     **{p: p for p in MTP_PATHS},
     "eagle3": "eagle3",
+    **{p: p for p in BLOCK_DRAFT_PATHS},
     "replay": "spec",
     "replay-rejection": "spec-rejection",
 }
@@ -320,6 +336,9 @@ def path_of(preset: Preset) -> str:
         return "mtp-rejection" if preset.draft_sampling == "probabilistic" else "mtp"
     if preset.spec_type == "draft-eagle3":
         return "eagle3"
+    for p, (t, _) in BLOCK_DRAFT_PATHS.items():
+        if preset.spec_type == t:
+            return p
     if preset.model == "fixture-replay":
         return "replay-rejection" if preset.draft_sampling == "probabilistic" else "replay"
     if not preset.uses_draft:
@@ -395,6 +414,7 @@ def for_preset(
 
 
 __all__ = [
+    "BLOCK_DRAFT_PATHS",
     "DRAFT_SAMPLING",
     "FIXTURE_NGRAM_ARGS",
     "MODELS",
