@@ -205,6 +205,19 @@ def test_a_crash_of_vllm_is_one_line_naming_the_method_and_the_setting() -> None
     assert w["left"] == {}
 
 
+def fixed_dist(method: str, *args: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """`dist --engine vllm --vllm-method METHOD --vllm-fix cpu-sampler ARGS --json`, watched:
+    a verdict (PRESERVED or INCONCLUSIVE: 0 or 2) with its JSON, one engine, and every process
+    it started gone when it returned. (watch, result, the engine)"""
+    cmd = ("dist", "--engine", "vllm", "--vllm-method", method, "--vllm-fix", "cpu-sampler")
+    w = watched(lambda: run_cli(*cmd, *args, "--json"))
+    assert w["code"] in (0, 2) and w["out"], w["err"][-500:]
+    result = json.loads(w["out"])
+    (e,) = result["engines"]
+    assert len(w["seen"]) >= 2 and w["left"] == {}
+    return w, result, e
+
+
 FIXED_SEEDS = 400  # the stock sampler's impossible tokens came at 1 seed in 5 (top-k 0)
 
 
@@ -218,25 +231,9 @@ def test_suffix_decoding_runs_and_the_fixed_sampler_keeps_its_distribution() -> 
     the bug (BROKEN at top-p 0.8: 167 impossible tokens in 400 seeds; its processed logprobs
     wrong or refused, docs/vllm.md); the n-gram fix is the audit section's test. Every process
     it started is gone when it returns."""
-    w = watched(
-        lambda: run_cli(
-            "dist",
-            "--engine",
-            "vllm",
-            "--vllm-method",
-            "suffix",
-            "--vllm-fix",
-            "cpu-sampler",
-            "--vllm-logprobs-mode",
-            "processed_logprobs",
-            "--seeds",
-            str(FIXED_SEEDS),
-            "--json",
-        )  # fmt: skip
+    _, result, e = fixed_dist(
+        "suffix", "--vllm-logprobs-mode", "processed_logprobs", "--seeds", str(FIXED_SEEDS)
     )
-    assert w["code"] in (0, 2) and w["out"], w["err"][-500:]  # PRESERVED or INCONCLUSIVE
-    result = json.loads(w["out"])
-    (e,) = result["engines"]
     assert e["kind"] == "vllm-suffix-fixed" and "+ cpu-sampler fix" in e["engine"]
     # its processed logprobs (after top-k 3) are the closed form's, every token, none refused
     (line,) = [n for n in result["notes"] if " logprobs (" in n]
@@ -245,7 +242,6 @@ def test_suffix_decoding_runs_and_the_fixed_sampler_keeps_its_distribution() -> 
     assert e["verdict"] != "BROKEN" and e["impossible"] == 0, e["reason"]
     assert e["n_samples"] == FIXED_SEEDS
     assert e["accepted"] > 0.1 * e["drafted"] > 0
-    assert len(w["seen"]) >= 2 and w["left"] == {}
 
 
 EAGLE_SEEDS = 200
@@ -257,30 +253,10 @@ def test_an_eagle_head_built_on_the_fixture_is_verified_by_the_fixed_sampler() -
     fed), so EAGLE's verification path runs and accepts often: fixed, not BROKEN and about
     three drafts in ten accepted (2403/726 at 400 seeds); stock, BROKEN (141 of 200 seeds
     sampled a forbidden token, 8 of 1782 accepted, docs/vllm.md)."""
-    w = watched(
-        lambda: run_cli(
-            "dist",
-            "--engine",
-            "vllm",
-            "--vllm-method",
-            "eagle",
-            "--vllm-fix",
-            "cpu-sampler",
-            "--top-k",
-            "0",
-            "--top-p",
-            "0.8",
-            "--seeds",
-            str(EAGLE_SEEDS),
-            "--json",
-        )  # fmt: skip
-    )
-    assert w["code"] in (0, 2) and w["out"], w["err"][-500:]
-    (e,) = json.loads(w["out"])["engines"]
+    _, _, e = fixed_dist("eagle", "--top-k", "0", "--top-p", "0.8", "--seeds", str(EAGLE_SEEDS))
     assert e["kind"] == "vllm-eagle-fixed" and e["n_samples"] == EAGLE_SEEDS
     assert e["verdict"] != "BROKEN" and e["impossible"] == 0, e["reason"]
     assert e["accepted"] > 0.15 * e["drafted"] > 0
-    assert len(w["seen"]) >= 2 and w["left"] == {}
 
 
 def test_rescore_sees_the_stock_ngram_server_sample_from_elsewhere(vllm_ngram: VllmServer) -> None:
