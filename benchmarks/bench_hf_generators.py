@@ -62,6 +62,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from specaudit.distribution import hf
+
 VOCAB = 8
 PROMPT = (1, 2, 3)
 DRAFT_TOKENS = 3  # the Gemma 4 assistant's num_assistant_tokens (MTP drafts one per layer)
@@ -295,35 +297,20 @@ class Drafts:
 
 
 def _instrument(target: Any) -> None:
-    """Wrap the target's candidate generators (on the instance) to feed `target._drafts`."""
-    if getattr(target, "_bench_instrumented", False):
-        return
-    orig = type(target)._get_candidate_generator
+    """Feed `target._drafts` from the target's candidate generators (`hf.watch_candidates`)."""
+    pending: list[Any] = []
 
-    def make(*args: Any, **kwargs: Any) -> Any:
-        cg = orig(target, *args, **kwargs)
-        get, update = cg.get_candidates, cg.update_candidate_strategy
-        pending: list[Any] = []
+    def drafted(input_ids: Any, ids: Any, logits: Any) -> None:
+        n = int(ids.shape[1] - input_ids.shape[1])
+        target._drafts.drafted += n
+        pending[:] = [ids[0, input_ids.shape[1] :], logits] if n and logits is not None else []
 
-        def get_candidates(input_ids: Any, **kw: Any) -> Any:
-            ids, logits = get(input_ids, **kw)
-            n = int(ids.shape[1] - input_ids.shape[1])
-            target._drafts.drafted += n
-            pending[:] = [ids[0, input_ids.shape[1] :], logits] if n and logits is not None else []
-            return ids, logits
+    def verified(scores: Any, num_matches: int) -> None:
+        target._drafts.accepted += num_matches
+        if pending:
+            target._drafts.record(pending[0], pending[1], scores)
 
-        def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: int) -> Any:
-            target._drafts.accepted += int(num_matches)
-            if pending:
-                target._drafts.record(pending[0], pending[1], scores)
-            return update(input_ids, scores, num_matches)
-
-        cg.get_candidates = get_candidates
-        cg.update_candidate_strategy = update_candidate_strategy
-        return cg
-
-    target._get_candidate_generator = make
-    target._bench_instrumented = True
+    hf.watch_candidates(target, drafted, verified)
 
 
 def sample(

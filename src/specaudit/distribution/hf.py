@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -317,32 +317,16 @@ class TransformersEngine(InProcessEngine):
 
     @staticmethod
     def _count_candidates(model: Any) -> None:
-        """Wrap this model's candidate generators' methods (on the instance: their class,
-        which `generate()` checks, is unchanged) to count drafted and accepted tokens into
-        the engine now generating (`model._specaudit_engine`)."""
-        if getattr(model, "_specaudit_counting", False):
-            return
-        orig = type(model)._get_candidate_generator
+        """Count drafted and accepted tokens into the engine now generating
+        (`model._specaudit_engine`)."""
 
-        def make(*args: Any, **kwargs: Any) -> Any:
-            cg = orig(model, *args, **kwargs)
-            get, update = cg.get_candidates, cg.update_candidate_strategy
+        def drafted(input_ids: Any, ids: Any, logits: Any) -> None:
+            model._specaudit_engine.drafted += int(ids.shape[1] - input_ids.shape[1])
 
-            def get_candidates(input_ids: Any, **kw: Any) -> Any:
-                out = get(input_ids, **kw)
-                model._specaudit_engine.drafted += int(out[0].shape[1] - input_ids.shape[1])
-                return out
+        def verified(scores: Any, num_matches: int) -> None:
+            model._specaudit_engine.accepted += num_matches
 
-            def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: int) -> Any:
-                model._specaudit_engine.accepted += int(num_matches)
-                return update(input_ids, scores, num_matches)
-
-            cg.get_candidates = get_candidates
-            cg.update_candidate_strategy = update_candidate_strategy
-            return cg
-
-        model._get_candidate_generator = make
-        model._specaudit_counting = True
+        watch_candidates(model, drafted, verified)
 
     def generate(self, seed: int) -> list[int]:
         """The generated token ids for one seed."""
@@ -410,6 +394,41 @@ def register_engines(register: Register) -> None:
     register(TRANSFORMERS)
 
 
+def watch_candidates(
+    model: Any,
+    on_draft: Callable[[Any, Any, Any], None],
+    on_verify: Callable[[Any, int], None],
+) -> None:
+    """Wrap `model`'s candidate generators, once, so that every draft (the input ids, the
+    candidate ids, the candidate logits or None) reaches `on_draft` and every verification (the
+    target's scores, the number of matches) reaches `on_verify`. On the instance: the class,
+    which `generate()` checks, is unchanged. The engine counts with it; benchmarks also read
+    the q a generator returned."""
+    if getattr(model, "_specaudit_watched", False):
+        return
+    orig = type(model)._get_candidate_generator
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        cg = orig(model, *args, **kwargs)
+        get, update = cg.get_candidates, cg.update_candidate_strategy
+
+        def get_candidates(input_ids: Any, **kw: Any) -> Any:
+            out = get(input_ids, **kw)
+            on_draft(input_ids, out[0], out[1])
+            return out
+
+        def update_candidate_strategy(input_ids: Any, scores: Any, num_matches: int) -> Any:
+            on_verify(scores, int(num_matches))
+            return update(input_ids, scores, num_matches)
+
+        cg.get_candidates = get_candidates
+        cg.update_candidate_strategy = update_candidate_strategy
+        return cg
+
+    model._get_candidate_generator = make
+    model._specaudit_watched = True
+
+
 __all__ = [
     "DFLASH_SEED",
     "GENERATORS",
@@ -422,4 +441,5 @@ __all__ = [
     "generation_kwargs",
     "register_engines",
     "versions",
+    "watch_candidates",
 ]
