@@ -8,8 +8,8 @@ probabilities checked against the closed form first), then stopped. The settings
 faces of the bug docs/upstream/vllm-cpu-expand-kernel.md explains: at top-k 0 and top-p 0.8
 the stock n-gram server samples tokens its sampler forbids (BROKEN); with top-k on it crashes
 (a clear line, not a verdict). The fixed server must be PRESERVED at both. Suffix decoding
-(Arctic Inference's suffix trees; the env builds it) verifies through the same sampler, on the
-last-token fixture. On Gemma, vLLM
+(Arctic Inference's suffix trees; the env builds it) and EAGLE-1 (a head built on the exported
+target) verify through the same sampler, on the last-token fixture. On Gemma, vLLM
 drafts by n-gram lookup on prompts that repeat themselves (so it drafts and rejects often;
 vLLM 0.32 refuses Gemma 3 as its own ``draft_model``: its sliding and full attention layers
 are two KV cache groups), and every token is re-scored (`rescore --engine vllm`) against
@@ -48,6 +48,9 @@ SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("n
 # n-gram's verification; its servers run on the last-token fixture alone (each start costs
 # a minute or more, and the context fixture adds nothing to a sampler shared with n-gram)
 SUFFIX_SERVERS: tuple[tuple[str, bool], ...] = (("suffix", False), ("suffix", True))
+# EAGLE-1 drafts from a head built on the exported target (`fixtures.hf.export_eagle_head`);
+# last-token fixture alone, as suffix (same sampler, a minute or more per start)
+EAGLE_SERVERS: tuple[tuple[str, bool], ...] = (("eagle", False), ("eagle", True))
 # seeds of each fixture run (fixed N: at 1000 the fixed server certifies dist's 0.15
 # tolerance at both settings; the stock server's forbidden tokens come within a few dozen)
 SEEDS = 1000
@@ -181,7 +184,7 @@ def run_fixtures(
         for method, fixed in servers:
             name = server_name(method, fixed)
             ctx.progress(f"vllm: {name} on {fs.spec.name}")
-            spec_cfg = dv.speculative_config(method, ex.draft)
+            spec_cfg = dv.speculative_config(method, ex.draft, dv.head(method, ex))
             key = f"{fs.spec.kind}-{method}{'-fixed' if fixed else ''}"
             with _server(ctx, ex.target, spec_cfg, fixed, key, **dv.server_args(fs.spec)) as srv:
                 rows, notes = fixture_rows(fs, name, srv.url, srv.log_path, seeds=seeds)
@@ -235,9 +238,10 @@ def run_gemma(
 def section(ctx: AuditContext, *, seeds: int = SEEDS, gemma_seeds: int = GEMMA_SEEDS) -> Section:
     """The vLLM section (see the module doc). `gemma_seeds` per prompt (3 prompts, 6 tokens)."""
     report = run_fixtures(ctx, (ctx.fixture, ctx.context_fixture), seeds)
-    suffix = run_fixtures(ctx, (ctx.fixture,), seeds, servers=SUFFIX_SERVERS)
-    report.rows += suffix.rows
-    report.notes += suffix.notes
+    for servers in (SUFFIX_SERVERS, EAGLE_SERVERS):
+        more = run_fixtures(ctx, (ctx.fixture,), seeds, servers=servers)
+        report.rows += more.rows
+        report.notes += more.notes
     report.gemma = run_gemma(ctx, seeds=gemma_seeds, tokens=6)
     return render_section(report)
 
@@ -312,6 +316,7 @@ def render_section(report: VllmReport) -> Section:
 
 
 __all__ = [
+    "EAGLE_SERVERS",
     "HEADERS",
     "SAMPLERS",
     "SERVERS",
