@@ -94,7 +94,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
     assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
-    assert "--fixture-kind [last-token|context|mtp|mtp-context|replay]" in out
+    assert "--fixture-kind [last-token|context|mtp|mtp-context|mtp-attention|replay]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
         assert f"  {p} " in out
@@ -107,7 +107,7 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     code, out, _ = cli("fixtures", "build", "--help")
     assert (
         code == 0
-        and "--kind [last-token|context|mtp|mtp-context|replay]" in out
+        and "--kind [last-token|context|mtp|mtp-context|mtp-attention|replay]" in out
         and "default: last-token" in out
     )
 
@@ -120,7 +120,10 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     [
         (("--path", "dflash"), "'dflash' is not one of"),
         (("--fixture-kind", "mtp", "--path", "eagle3"), "--path eagle3 needs a fixture of"),
-        (("--path", "mtp"), "--path mtp needs an mtp fixture (--fixture-kind mtp or mtp-context)"),
+        (
+            ("--path", "mtp"),
+            "--path mtp needs an mtp fixture (--fixture-kind mtp, mtp-context or mtp-attention)",
+        ),
         (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
         (("--path", "Greedy"), "is not one of"),
         (("--fixture-kind", "other"), "'other' is not one of"),
