@@ -174,6 +174,19 @@ def test_a_target_hidden_states_letter_does_not_move_the_attention() -> None:
         )
 
 
+def test_prefixes_merge_by_the_targets_last_letter_but_the_draft_sees_the_whole_text() -> None:
+    """`dist` merges prefixes by `state_key` (all the target sees: the last letter, so long
+    generations stay cheap); the draft's logits still come from the whole text."""
+    assert SPEC.state_key("bcdbcaa") == "a"
+    for text in CONTEXTS:
+        ids = SPEC.tokenize(text)
+        expected = mtp_attention_head(SPEC, ids, mtp_cache_hidden(SPEC, ids))[0]
+        assert np.array_equal(fx.context_logits(SPEC, text, "draft"), expected)
+    assert not np.array_equal(
+        fx.context_logits(SPEC, "abcdefgh", "draft"), fx.context_logits(SPEC, "h", "draft")
+    )
+
+
 def test_near_ties_are_refused_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(truth, "MTP_ARGMAX_MARGIN", 1e6)
     with pytest.raises(AmbiguousSamplingError):
