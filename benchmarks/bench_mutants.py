@@ -258,7 +258,7 @@ def mtp_finding(r: Row) -> str:
         else ("; counts are the closed form's" if off == "0" else "")
     )
     if undecided and off != "-":
-        counts += f" {undecided.strip('()')}: the closed form is within rounding of a tie"
+        counts += f"; {undecided.strip('()')} (the closed form within rounding of a tie)"
     if r.same == "yes":
         return f"equivalent: every sample is stock's for its seed{counts}"
     if r.same == "no":
