@@ -43,7 +43,8 @@ accepted counts differ from what a correct server drafts and accepts for that ve
 equivalent (every sample stock's) / kept, and why.
 
     .venv/bin/python benchmarks/bench_mutants.py [--seeds 2000] [--only NAME ...]
-        [--fidelity-seeds 20] [--fidelity-only] [--mtp-only] [--mtp-kind mtp|mtp-context]
+        [--fidelity-seeds 20] [--fidelity-only] [--mtp-only]
+        [--mtp-kind mtp|mtp-context|mtp-attention] [--mtp-tokens 4]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from specaudit import distribution, fidelity, fixtures, llama
 from specaudit.check import fidelity_probe
 from specaudit.distribution import runner
 from specaudit.errors import SpecauditError
+from specaudit.fixtures.reference import AmbiguousSamplingError
 from specaudit.llama import presets, sources
 from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.patches import resolve_all
@@ -159,6 +161,7 @@ def measure_row(
     n: int,
     log_dir: Path,
     stock: dict[tuple[str, str, float], tuple[list[str], Row]],
+    tokens: int = distribution.DEFAULT_TOKENS,
 ) -> list[Row]:
     rows = []
     seeds = range(1, n + 1)
@@ -167,7 +170,9 @@ def measure_row(
             got = {}
             for t in temps:
                 sampler = fixtures.SamplerSettings(top_k=3, top_p=1.0, min_p=0.0, temperature=t)
-                wl = distribution.make_workload(fs.spec, sampler=sampler)
+                wl = distribution.make_workload(
+                    fs.spec, sampler=sampler, tokens=tokens, positions=min(tokens, 4)
+                )
                 eng = distribution.ServerEngine(
                     srv.url, fs.spec, wl, label=build, kind="server-spec"
                 )
@@ -182,7 +187,7 @@ def measure_row(
         key = (fx, path, t)
         dn = sum(s.drafted or 0 for s in samples)
         da = sum(s.accepted or 0 for s in samples)
-        off = str(mtp_counts_off(fs, samples)) if path == "mtp" else "-"
+        off = mtp_counts_off(fs, samples) if path == "mtp" else "-"
         base = stock.get(key)
         if build != "stock" and base is not None and base[0] == texts:
             # the very samples of stock: the (deterministic) analysis would repeat stock's row
@@ -215,14 +220,20 @@ def measure_row(
     return rows
 
 
-def mtp_counts_off(fs: fixtures.FixtureSet, samples: list[distribution.Sample]) -> int:
+def mtp_counts_off(fs: fixtures.FixtureSet, samples: list[distribution.Sample]) -> str:
     """Samples of the greedy mtp path whose drafted/accepted counts differ from what a correct
-    server drafts and accepts for that very text (`fixtures.mtp_greedy_counts`)."""
-    spec = fs.spec
-    return sum(
-        (s.drafted, s.accepted) != fixtures.mtp_greedy_counts(spec, spec.prompt, s.text)
-        for s in samples
-    )
+    server drafts and accepts for that very text (`fixtures.mtp_greedy_counts`), and how many
+    the closed form cannot decide (a greedy draft within rounding of a tie; the mtp-attention
+    fixture's), which are not counted either way."""
+    spec, off, undecided = fs.spec, 0, 0
+    for s in samples:
+        try:
+            expected = fixtures.mtp_greedy_counts(spec, spec.prompt, s.text)
+        except AmbiguousSamplingError:
+            undecided += 1
+            continue
+        off += (s.drafted, s.accepted) != expected
+    return f"{off} ({undecided} undecided)" if undecided else str(off)
 
 
 MTP = "mtp-"  # the MTP mutants' prefix: measured on the mtp fixture's paths
@@ -240,11 +251,14 @@ def mtp_finding(r: Row) -> str:
         return "LOUD: the server fails"
     if r.verdict == Verdict.BROKEN.value:
         return f"BROKEN after {r.eproc} samples (sequential), fixed test at {r.fixed}"
+    off, _, undecided = r.counts_off.partition(" ")  # "N" or "N (K undecided)"
     counts = (
-        f"; counts differ from the closed form on {r.counts_off} samples"
-        if r.counts_off not in ("-", "0")
-        else ("; counts are the closed form's" if r.counts_off == "0" else "")
+        f"; counts differ from the closed form on {off} samples"
+        if off not in ("-", "0")
+        else ("; counts are the closed form's" if off == "0" else "")
     )
+    if undecided and off != "-":
+        counts += f"; {undecided.strip('()')} (the closed form within rounding of a tie)"
     if r.same == "yes":
         return f"equivalent: every sample is stock's for its seed{counts}"
     if r.same == "no":
@@ -279,9 +293,12 @@ def mtp_rows(
     seeds: int,
     work: Path,
     kind: fixtures.FixtureKind = "mtp",
+    tokens: int = distribution.DEFAULT_TOKENS,
 ) -> list[Row]:
     """Stock, spec-logprobs and each MTP mutant on an MTP fixture's MTP paths, T = 1 (`kind`
-    "mtp", or "mtp-context": the same glm4moe on the context fixture's attention)."""
+    "mtp", "mtp-context": the same glm4moe on the context fixture's attention, or
+    "mtp-attention": the mtp fixture whose MTP layer attends over its own KV cache, which
+    needs `tokens` > 4 to read a cell an accepted draft token left)."""
     fs = fixtures.build(work / f"{kind}-fixture", kind=kind)
     rows: list[Row] = []
     stock: dict[tuple[str, str, float], tuple[list[str], Row]] = {}
@@ -289,7 +306,9 @@ def mtp_rows(
         for path in MTP_BENCH_PATHS:
             d = work / "logs" / name / kind / path
             d.mkdir(parents=True, exist_ok=True)
-            rows += measure_row(name, bins[name], kind, fs, path, (1.0,), seeds, d, stock)
+            rows += measure_row(
+                name, bins[name], kind, fs, path, (1.0,), seeds, d, stock, tokens=tokens
+            )
     return rows
 
 
@@ -451,9 +470,16 @@ def main() -> int:
     )
     ap.add_argument(
         "--mtp-kind",
-        choices=("mtp", "mtp-context"),
+        choices=("mtp", "mtp-context", "mtp-attention"),
         default="mtp",
-        help="the MTP fixture of the MTP rows (mtp-context: target and draft see the context)",
+        help="the MTP fixture of the MTP rows (mtp-context: target and draft see the context; "
+        "mtp-attention: the MTP layer attends over its own KV cache)",
+    )
+    ap.add_argument(
+        "--mtp-tokens",
+        type=int,
+        default=distribution.DEFAULT_TOKENS,
+        help="tokens per sample of the MTP rows (positions tested: the first 4)",
     )
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -507,7 +533,12 @@ def main() -> int:
     if mtp_mutants:
         t_mtp = time.perf_counter()
         mrows = mtp_rows(
-            bins, ["stock", presets.PATCH, *mtp_mutants], args.seeds, work, args.mtp_kind
+            bins,
+            ["stock", presets.PATCH, *mtp_mutants],
+            args.seeds,
+            work,
+            args.mtp_kind,
+            args.mtp_tokens,
         )
         print(mtp_table(mrows))
         print()
@@ -515,7 +546,8 @@ def main() -> int:
             r for r in mrows if r.build in ("stock", presets.PATCH) and r.verdict != "PRESERVED"
         ]
         print(
-            f"{args.mtp_kind} fixture, seeds 1..{args.seeds} per row, 4 tokens, top-k 3, T=1; "
+            f"{args.mtp_kind} fixture, seeds 1..{args.seeds} per row, {args.mtp_tokens} tokens "
+            f"(positions 1-{min(args.mtp_tokens, 4)} tested), top-k 3, T=1; "
             "controls "
             f"(stock, {presets.PATCH}) not PRESERVED: "
             + (", ".join(f"{r.build} {r.path}: {r.verdict}" for r in false) or "none")

@@ -100,7 +100,7 @@ def test_dist_help_documents_the_paths(cli: CliFn) -> None:
     code, out, _ = cli("dist", "--help")
     assert code == 0
     assert "--path [plain|greedy|rejection|ngram|ngram-simple|ngram-map-k|" in out
-    assert "--fixture-kind [last-token|context|mtp|mtp-context|replay]" in out
+    assert "--fixture-kind [last-token|context|mtp|mtp-context|mtp-attention|replay]" in out
     assert "Verification paths" in out and "Not covered" in out
     for p in distribution.PATHS:
         assert f"  {p} " in out
@@ -113,7 +113,7 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
     code, out, _ = cli("fixtures", "build", "--help")
     assert (
         code == 0
-        and "--kind [last-token|context|mtp|mtp-context|replay]" in out
+        and "--kind [last-token|context|mtp|mtp-context|mtp-attention|replay]" in out
         and "default: last-token" in out
     )
 
@@ -127,7 +127,10 @@ def test_fixtures_build_help_documents_the_kind(cli: CliFn) -> None:
         (("--path", "medusa"), "'medusa' is not one of"),
         (("--fixture-kind", "mtp", "--path", "dspark"), "--path dspark needs a fixture of"),
         (("--fixture-kind", "mtp", "--path", "eagle3"), "--path eagle3 needs a fixture of"),
-        (("--path", "mtp"), "--path mtp needs an mtp fixture (--fixture-kind mtp or mtp-context)"),
+        (
+            ("--path", "mtp"),
+            "--path mtp needs an mtp fixture (--fixture-kind mtp, mtp-context or mtp-attention)",
+        ),
         (("--fixture-kind", "mtp", "--path", "greedy"), "--path greedy needs a fixture of"),
         (("--path", "Greedy"), "is not one of"),
         (("--fixture-kind", "other"), "'other' is not one of"),

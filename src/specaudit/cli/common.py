@@ -233,12 +233,14 @@ def choice_option(
 
 # `specaudit.fixtures.KINDS`, spelled out here: that module imports numpy, and `--help` must
 # not (tests/unit/test_cli_dist_paths.py checks they agree).
-FIXTURE_KINDS = ("last-token", "context", "mtp", "mtp-context", "replay")
+FIXTURE_KINDS = ("last-token", "context", "mtp", "mtp-context", "mtp-attention", "replay")
 FIXTURE_KIND_HELP = (
     "Fixture kind: last-token (each token's distribution depends on the previous token only), "
     "context (on the whole context, through attention), mtp (last-token, a glm4moe whose "
     "multi-token-prediction layer drafts for --spec-type draft-mtp), mtp-context (the same "
-    "glm4moe on the context kind's attention: target and draft see the whole context) or "
+    "glm4moe on the context kind's attention: target and draft see the whole context), "
+    "mtp-attention (mtp whose MTP layer attends over its own KV cache: its drafts depend on "
+    "what that cache holds) or "
     "replay (last-token, a "
     "Mamba target: llama-server verifies through its checkpoint replay path)."
 )

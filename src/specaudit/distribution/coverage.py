@@ -177,7 +177,7 @@ def kind_paths(kind: str) -> tuple[str, ...]:
     """The paths a fixture kind runs: the MTP fixture `MTP_MODEL_PATHS` (only it has an MTP
     layer, and only MTP drafts with it), the replay fixture `REPLAY_MODEL_PATHS` (only its
     Mamba target makes llama-server replay), every other kind every other path."""
-    if kind in ("mtp", "mtp-context"):
+    if kind in ("mtp", "mtp-context", "mtp-attention"):
         return MTP_MODEL_PATHS
     if kind == "replay":
         return REPLAY_MODEL_PATHS
@@ -221,7 +221,10 @@ def check_paths(
 def _fixture_for(path: str, kind: str) -> str:
     """What `path` needs that a fixture of `kind` lacks, in words."""
     if path in MTP_PATHS:
-        return "an mtp fixture (--fixture-kind mtp or mtp-context): only they have an MTP layer"
+        return (
+            "an mtp fixture (--fixture-kind mtp, mtp-context or mtp-attention): only they "
+            "have an MTP layer"
+        )
     if path in REPLAY_PATHS:
         return (
             "the replay fixture (--fixture-kind replay): only its Mamba target makes "

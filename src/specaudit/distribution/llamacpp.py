@@ -47,6 +47,7 @@ _KIND_MODELS = {
     "context": "fixture-context",
     "mtp": "fixture-mtp",
     "mtp-context": "fixture-mtp-context",
+    "mtp-attention": "fixture-mtp-attention",
     "replay": "fixture-replay",
 }
 

@@ -20,7 +20,8 @@ from specaudit.llama.build import LlamaBinaries
 from specaudit.llama.server import LlamaServer
 
 MODELS = (
-    "fixture", "fixture-context", "fixture-mtp", "fixture-mtp-context", "fixture-replay", "gemma",
+    "fixture", "fixture-context", "fixture-mtp", "fixture-mtp-context", "fixture-mtp-attention",
+    "fixture-replay", "gemma",
 )  # fmt: skip
 PATCH = "spec-logprobs"  # the bundled patch the "patched" variant is built with
 SPECULATIVE_FIX = "speculative-fix"  # the bundled llama-speculative fix (#29975), its own variant
@@ -82,6 +83,7 @@ REPLAY_MODEL_PATHS = ("plain", *REPLAY_PATHS)
 MODEL_PATHS: dict[str, tuple[str, ...]] = {
     "fixture-mtp": MTP_MODEL_PATHS,
     "fixture-mtp-context": MTP_MODEL_PATHS,
+    "fixture-mtp-attention": MTP_MODEL_PATHS,
     "fixture-replay": REPLAY_MODEL_PATHS,
     **{
         m: tuple(p for p in PATHS if p not in MTP_PATHS and p not in REPLAY_PATHS)
@@ -151,6 +153,11 @@ POLICIES = {
     "fixture-mtp": Policy(parallel=4, ctx_per_slot=256, threads=1),
     # the mtp-context fixture's trunk is the context fixture's attention: the same f32 KV cache
     "fixture-mtp-context": Policy(
+        parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
+    ),
+    # the mtp-attention fixture's MTP layer attends over its own cache (casts to f16 there
+    # with flash attention, as fixtures.reference.mtp_attention_head models)
+    "fixture-mtp-attention": Policy(
         parallel=4, ctx_per_slot=256, threads=1, args=("-ctk", "f32", "-ctv", "f32")
     ),
     "fixture-replay": Policy(parallel=4, ctx_per_slot=256, threads=1),
@@ -270,7 +277,7 @@ PRESETS: dict[str, Preset] = {
         ),
         *(
             p
-            for model in ("fixture-mtp", "fixture-mtp-context")
+            for model in ("fixture-mtp", "fixture-mtp-context", "fixture-mtp-attention")
             for p in (
                 Preset(f"{model}-plain", model, False),
                 Preset(f"{model}-mtp", model, True, spec_type="draft-mtp"),
@@ -316,9 +323,9 @@ _PATH_ROLES = {
 
 def fixture_role(model: str, path: str) -> str:
     """The `PRESETS` name of a fixture server (`model` "fixture", "fixture-context",
-    "fixture-mtp", "fixture-mtp-context" or "fixture-replay") on a verification path (a
-    `PATHS` value; each model runs its `MODEL_PATHS`: the MTP fixtures `MTP_MODEL_PATHS`, the
-    replay fixture `REPLAY_MODEL_PATHS`, the others every other path)."""
+    "fixture-mtp", "fixture-mtp-context", "fixture-mtp-attention" or "fixture-replay") on a
+    verification path (a `PATHS` value; each model runs its `MODEL_PATHS`: the MTP fixtures
+    `MTP_MODEL_PATHS`, the replay fixture `REPLAY_MODEL_PATHS`, the others every other path)."""
     if model not in MODEL_PATHS:
         raise ValueError(f"not a fixture model: {model!r}")
     if path not in _PATH_ROLES:
