@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -55,10 +55,22 @@ def vllm_ngram_fixed(
         yield srv
 
 
-def _no_rejection(r: dict[str, object]) -> list[str]:
-    stats = r["stats"]
-    assert isinstance(stats, dict)
-    return [t["name"] for t in stats["tests"] if t.get("rejects")]
+def _rejecting(r: dict[str, Any]) -> list[str]:
+    return [t["name"] for t in r["stats"]["tests"] if t.get("rejects")]
+
+
+def _summary(r: dict[str, Any]) -> str:
+    """The measured numbers, printed for the record (``pytest -rP`` shows them)."""
+    o, c = r["outside"], r["control"]
+    return (
+        f"{r['verdict']}: {r['rescored']} tokens, outside {o['count']} ({o['impossible']} "
+        f"impossible, bound {o['expected_bound']:.3g}), rejecting {_rejecting(r)}, drafted "
+        f"{r['drafted']} / accepted {r['accepted']}, probe TV {r['probe_tv']:.2g}, noise TV "
+        f"{r['noise_tv']:.2g} / logprob {r['noise_logprob']:.2g}, leak units max "
+        f"{max(o['leak_units'], default=0):.3g}, control {c['verdict']} (outside "
+        f"{c['outside']['count']}), {r['reference_requests']} reference requests, "
+        f"{r['total_seconds']:.0f} s"
+    )
 
 
 def test_a_plain_vllm_reference_sees_the_stock_ngram_server_break(
@@ -71,6 +83,7 @@ def test_a_plain_vllm_reference_sees_the_stock_ngram_server_break(
     )  # fmt: skip
     assert code == 1 and out, err[-800:]
     r = json.loads(out)
+    print(_summary(r))
     assert r["verdict"] == "BROKEN", r["stats"]["reason"][:500]
     assert r["rescored"] == r["sampled_tokens"] == 800
     assert r["outside"]["count"] > 0  # tokens top-p 0.8 removes, sampled
@@ -90,9 +103,10 @@ def test_a_plain_vllm_reference_finds_nothing_wrong_with_the_fixed_ngram_server(
     )  # fmt: skip
     assert out, err[-800:]
     r = json.loads(out)
+    print(_summary(r))
     assert r["verdict"] in ("PRESERVED", "INCONCLUSIVE"), r["stats"]["reason"][:500]
     assert code == (0 if r["verdict"] == "PRESERVED" else 2)
-    assert _no_rejection(r) == [] and r["outside"]["count"] == 0
+    assert _rejecting(r) == [] and r["outside"]["count"] == 0
     assert r["rescored"] == r["sampled_tokens"] == 800
     assert r["drafted"] > 0 and r["probe_tv"] is not None and r["probe_tv"] < FLOAT32
     assert r["control"]["verdict"] != "BROKEN"
