@@ -90,8 +90,6 @@ class VllmReference:
     `concurrency` requests are in flight. `raw_probs` > 0 adds the raw top log-probabilities
     to each answer."""
 
-    kind = "vLLM"
-
     def __init__(
         self,
         url: str,
@@ -119,10 +117,6 @@ class VllmReference:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._client.aclose()
-
-    def like(self, sampler: SamplerSettings) -> VllmReference:
-        """Another client of the same server, answering under `sampler`."""
-        return VllmReference(self.url, sampler, model=self.model, concurrency=1)
 
     async def prepare(self) -> ModelIdentity:
         """Refuse a server that is not vLLM, serves several models, speculates, cannot return
