@@ -137,13 +137,34 @@ class _ArmTemperature(click.ParamType):
     "refused unless it round-trips exactly.",
 )
 @click.option(
-    "--reference-url", type=URL, default=None, metavar="URL", help="A plain llama-server."
+    "--reference-url",
+    type=URL,
+    default=None,
+    metavar="URL",
+    help="A plain llama-server (a plain vLLM server with --reference-engine vllm).",
 )
 @click.option(
     "--reference-model",
     type=SafePath(dir_okay=False),
     default=None,
     help="The same GGUF: specaudit serves it as a plain llama-server itself.",
+)
+@click.option(
+    "--reference-vllm",
+    type=SafePath(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="--engine vllm: the same model as a Hugging Face folder; specaudit serves it as a "
+    "plain vLLM server itself (its vLLM env, --logprobs-mode processed_logprobs, "
+    "--max-logprobs -1).",
+)
+@click.option(
+    "--reference-engine",
+    type=click.Choice(("server", "vllm")),
+    default="server",
+    show_default=True,
+    help="What --reference-url speaks: server (llama-server) or vllm (a plain vLLM server "
+    "started with --logprobs-mode processed_logprobs --max-logprobs -1; --engine vllm only).",
 )
 @click.option(
     "--draft-url",
@@ -245,6 +266,8 @@ def command(
     engine: str,
     reference_url: str | None,
     reference_model: Path | None,
+    reference_vllm: Path | None,
+    reference_engine: str,
     draft_url: str | None,
     draft_model: Path | None,
     draft_top_k: int,
@@ -293,6 +316,7 @@ def command(
             self_check=self_check, url_engine=engine != "server" or model_name != "model",
             prompts=len(prompts), draft=bool(draft_url or draft_model), coupling=coupling,
             arm=not isinstance(arm, str),
+            vllm_reference=reference_vllm is not None or reference_engine != "server",
         )  # fmt: skip
         _dist(
             dist_engines, url=url, fixture=fixture, fixture_kind=fixture_kind, patches=patches,
@@ -311,7 +335,8 @@ def command(
         raise click.UsageError("give --url (the engine under test) or --dist-engine NAME")
     req = request.make_request(
         url, engine=engine, reference_url=reference_url, reference_model=reference_model,
-        prompts=prompts, seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
+        reference_vllm=reference_vllm, reference_engine=reference_engine, prompts=prompts,
+        seeds=seeds, tokens=tokens, sampler=sampler, alpha=alpha,
         sequential=sequential, concurrency=concurrency, timeout=timeout, model=model_name,
         draft_url=draft_url, draft_model=draft_model, draft_top_k=draft_top_k,
         self_check=self_check,
@@ -350,6 +375,7 @@ def _refuse_url_only_options(
     draft: bool,
     coupling: bool,
     arm: bool,
+    vllm_reference: bool = False,
 ) -> None:
     """What --dist-engine cannot take (a usage error, exit 2)."""
     if self_check:
@@ -362,6 +388,11 @@ def _refuse_url_only_options(
         raise click.UsageError("--dist-engine knows its fixture's draft: no --draft-url")
     if coupling:
         raise click.UsageError("--coupling goes with --url (a server sampled at its seeds)")
+    if vllm_reference:
+        raise click.UsageError(
+            "--reference-vllm and --reference-engine go with --url --engine vllm, not "
+            "--dist-engine (its reference is a llama-server serving the fixture's GGUF)"
+        )
     if arm:
         raise click.UsageError(
             "--arm-temperature goes with --url (--dist-engine samples the fixture at "

@@ -55,6 +55,7 @@ from specaudit.llama.process import last_error, log_tail
 from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
 from specaudit.vllm.fidelity import MODES as LOGPROBS_MODES  # vLLM's default first
 from specaudit.vllm.fixes import resolve as resolve_fixes
+from specaudit.vllm.request import completions_body
 
 METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle")
 DEFAULT_METHODS = ("plain", "ngram")
@@ -221,21 +222,11 @@ class VllmEngine:
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport)
         self._lock = asyncio.Lock()
         self._last: dict[str, float] | None = None
-        s = workload.sampler
-        self._body: dict[str, Any] = {
-            "model": model,
-            "prompt": spec.tokenize(workload.prompt),
-            "max_tokens": workload.tokens,
-            "temperature": s.temperature,
-            "top_k": s.top_k,  # 0: off, as in llama.cpp
-            "top_p": s.top_p,
-            "min_p": s.min_p,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "return_token_ids": True,
-            "stream": False,
-        }
+        # no ignore_eos: dist samples the fixture as a user would, end tokens included
+        self._body = completions_body(
+            workload.sampler, tokens=workload.tokens, ignore_eos=False, model=model,
+            prompt_ids=spec.tokenize(workload.prompt),
+        )  # fmt: skip
 
     def body(self, seed: int) -> dict[str, Any]:
         return {**self._body, "seed": seed}

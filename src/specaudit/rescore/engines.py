@@ -39,14 +39,14 @@ from specaudit.errors import SpecauditError
 from specaudit.fixtures import REPORT_SAMPLER, FixtureSpec, SamplerSettings
 from specaudit.llama import presets
 from specaudit.outcome import Outcome
-from specaudit.reference import Reference, start_reference
+from specaudit.reference import start_reference
 from specaudit.rescore import request, runner
 from specaudit.rescore.analysis import DEFAULT_ALPHA
 from specaudit.rescore.certify import DEFAULT_TOLERANCE
 from specaudit.rescore.fixture import FixtureDraft, text_of
 from specaudit.rescore.records import RescoreError
 from specaudit.rescore.sampling import SeededGeneration
-from specaudit.rescore.spread import probe_difference
+from specaudit.rescore.spread import AnyReference, probe_difference
 
 if TYPE_CHECKING:
     from specaudit.distribution.engines import Engine
@@ -217,7 +217,7 @@ def closed_form_probe(
     after the prompt and the closed form of the fixture the engine runs (`truth`; ids of the
     reference's `spec`)."""
 
-    async def probe(ref: Reference, ids: Sequence[int]) -> float | None:
+    async def probe(ref: AnyReference, ids: Sequence[int]) -> float | None:
         got = await ref.next_token(ids)
         closed = fixtures.next_token_distribution(truth, text_of(spec, ids), sampler)
         want = {spec.token_ids[t]: p for t, p in closed.items() if p > 0.0}

@@ -35,14 +35,17 @@ MAX_TEMPERATURE = 10.0
 
 @dataclass(frozen=True)
 class RescoreRequest:
-    """A re-scored run, checked (`make_request`). Exactly one of `reference_url` and
-    `reference_model` is set: a running plain llama-server, or a model file specaudit serves
-    as one itself."""
+    """A re-scored run, checked (`make_request`). Exactly one of `reference_url`,
+    `reference_model` and `reference_vllm` is set: a running plain server (a llama-server, or
+    vLLM when `reference_engine` is "vllm"), a GGUF specaudit serves as a plain llama-server,
+    or a Hugging Face folder specaudit serves as a plain vLLM server."""
 
     url: str
     engine: str = "server"
     reference_url: str | None = None
     reference_model: Path | None = None
+    reference_vllm: Path | None = None
+    reference_engine: str = "server"  # what the reference speaks: "server" or "vllm"
     prompts: tuple[str, ...] = DEFAULT_PROMPTS
     prompt_ids: tuple[tuple[int, ...], ...] = ()  # given as ids: no tokenizer involved
     seeds: int = 200
@@ -93,6 +96,8 @@ def make_request(
     engine: str = "server",
     reference_url: str | None = None,
     reference_model: Path | str | None = None,
+    reference_vllm: Path | str | None = None,
+    reference_engine: str = "server",
     prompts: Sequence[str] = (),
     prompt_ids: Sequence[Sequence[int]] = (),
     seeds: int = 200,
@@ -123,8 +128,12 @@ def make_request(
         reference_url is not None or reference_model is not None or engine != "server"
     ):
         raise RescoreError("--self takes no reference and needs --engine server")
+    ref_vllm, reference_engine = check_vllm_reference(
+        reference_vllm, reference_engine, engine=engine, model=reference_model,
+        url=reference_url,
+    )  # fmt: skip
     reference_url, ref_model = check_reference(
-        reference_url, reference_model, required=not self_check
+        reference_url, reference_model, required=not self_check and ref_vllm is None
     )
     draft_url, draft_path = check_draft(
         draft_url, draft_model, closed=draft, self_check=self_check, top_k=draft_top_k
@@ -157,6 +166,7 @@ def make_request(
     )  # fmt: skip
     return RescoreRequest(
         url=url, engine=engine, reference_url=reference_url, reference_model=ref_model,
+        reference_vllm=ref_vllm, reference_engine=reference_engine,
         prompts=texts if not ids else (), prompt_ids=ids, seeds=seeds, seed_start=seed_start,
         tokens=tokens, sampler=sampler, alpha=alpha, sequential=sequential,
         concurrency=concurrency, timeout=timeout, label=label, model=model, draft_url=draft_url,
@@ -213,6 +223,53 @@ def check_reference(
     if required and (reference_url is None) == (reference_model is None):
         raise RescoreError("give exactly one of --reference-url and --reference-model (or --self)")
     return _server_or_file(reference_url, reference_model, "reference")
+
+
+REFERENCE_ENGINES = ("server", "vllm")
+
+
+def check_vllm_reference(
+    reference_vllm: Path | str | None,
+    reference_engine: str,
+    *,
+    engine: str,
+    model: Path | str | None,
+    url: str | None,
+) -> tuple[Path | None, str]:
+    """A vLLM reference, checked (one-line RescoreError): `reference_vllm` a Hugging Face
+    folder (and then no other reference), or `reference_engine` "vllm" with a
+    `url`; either only for ``--engine vllm``. Returns the folder and the reference's engine.
+
+    Why only vLLM against vLLM: vLLM's ``ignore_eos`` keeps sampling past an end token but
+    leaves it its probability, where llama-server's masks it; and vLLM's sampler order is not
+    llama.cpp's. A vLLM engine and a vLLM reference agree on both."""
+    if reference_engine not in REFERENCE_ENGINES:
+        raise RescoreError(
+            f"unknown --reference-engine {reference_engine!r} (one of "
+            f"{', '.join(REFERENCE_ENGINES)})"
+        )
+    path = Path(reference_vllm) if reference_vllm is not None else None
+    if path is None and reference_engine != "vllm":
+        return None, reference_engine
+    if path is not None and (url is not None or model is not None):
+        raise RescoreError(
+            "give one reference: --reference-vllm, --reference-url or --reference-model"
+        )
+    if path is None and model is not None:
+        raise RescoreError(
+            "--reference-model is a GGUF for llama-server; a vLLM reference is a folder "
+            "(--reference-vllm DIR) or a running server (--reference-url)"
+        )
+    if path is None and url is None:
+        raise RescoreError("--reference-engine vllm needs --reference-url (or --reference-vllm)")
+    if path is not None and not (path / "config.json").is_file():
+        raise RescoreError(f"--reference-vllm {path} is not a Hugging Face model folder")
+    if engine != "vllm":
+        raise RescoreError(
+            "a vLLM reference re-scores --engine vllm only (vLLM's ignore_eos leaves the end "
+            "token its probability, llama-server's masks it; their sampler orders differ)"
+        )
+    return path, "vllm"
 
 
 def check_draft(

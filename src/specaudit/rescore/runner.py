@@ -29,7 +29,6 @@ from specaudit.reference import (
     Reference,
     ReferenceUnusable,
     SamplerBoundSource,
-    alone,
     aread_next_token,
     completion_body,
     identity_from_models,
@@ -56,18 +55,30 @@ from specaudit.rescore.sampling import (
 from specaudit.rescore.scores import ScoreTest
 from specaudit.rescore.spread import (
     PROBE_TOLERANCE,
+    AnyReference,
     OutsideSorter,
     measure_edge_leak,
-    noise_spread,
     probe_difference,
+    reference_spread,
 )
+from specaudit.vllm.reference import VllmReference, start_vllm_reference
 
 BOUNDARY_MIN = 1e-3  # the smallest top-k boundary margin, in nats (float32 noise)
 LOOK_EVERY = 16  # a sequential run reads its anytime evidence after every this many samples
 
+# what a vLLM reference cannot give that a llama-server does, said in the run's notes
+VLLM_REFERENCE_NOTE = (
+    "the reference is a plain vLLM server (processed logprobs): vLLM has no slot to pin and "
+    "no /slots, so its noise floor and top-k edge leak are measured in the batch shapes a "
+    "client can cause (four identical requests at once, the prefix batched with its shorter "
+    "prefixes, the prefix again on what that left in its prefix cache), not llama-server's "
+    "last-k-tokens-on-a-cached-prefix shapes; that it does not speculate is read from its "
+    "/metrics; its raw logprobs are its processed ones asked with nothing to process"
+)
+
 ProgressFn = Callable[[int, int], None]
 # (reference, first prompt's ids) -> TV between what the engine runs and the reference, or None
-ProbeFn = Callable[[Reference, Sequence[int]], Awaitable[float | None]]
+ProbeFn = Callable[[AnyReference, Sequence[int]], Awaitable[float | None]]
 
 
 @dataclass
@@ -167,6 +178,8 @@ def run(req: RescoreRequest, progress: ProgressFn | None = None) -> RescoreResul
             url = stack.enter_context(
                 start_reference(req.reference_model, parallel=req.concurrency, threads=threads)
             )
+        if req.reference_vllm is not None:
+            url = stack.enter_context(start_vllm_reference(req.reference_vllm, threads=threads))
         assert url is not None
         if req.arm_temperature is None:
             return asyncio.run(run_against(req, url, progress))
@@ -179,7 +192,8 @@ def servers_at_work(req: RescoreRequest) -> int:
     share of the cores (`presets.shared_threads`)."""
     host = urlsplit(req.url).hostname or ""
     local = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-    return (req.reference_model is not None) + (req.draft_model is not None) + local
+    started = (req.reference_model, req.reference_vllm, req.draft_model)
+    return sum(x is not None for x in started) + local
 
 
 async def _with_arm(
@@ -208,7 +222,7 @@ async def _with_arm(
     return res
 
 
-def _url_sampler(req: RescoreRequest, ref: Reference) -> Sampler:
+def _url_sampler(req: RescoreRequest, ref: AnyReference) -> Sampler:
     """The engine at `req.url`, sampled by its protocol (`req.engine`)."""
     if req.engine == "server":
         return ServerSampler(
@@ -236,7 +250,19 @@ async def _engine_identity(req: RescoreRequest) -> ModelIdentity | None:
             raise RescoreError(f"the engine under test: {e}") from None
 
 
-async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> float | None:
+def open_reference(
+    req: RescoreRequest, url: str, sampler: SamplerSettings | None = None, concurrency: int = 0
+) -> AnyReference:
+    """The client of the run's reference at `url` (`req.reference_engine`: a plain
+    llama-server or a plain vLLM server), answering under `sampler` (default the run's)."""
+    cls = VllmReference if req.reference_engine == "vllm" else Reference
+    return cls(
+        url, sampler or req.sampler, timeout=req.timeout,
+        concurrency=concurrency or req.concurrency,
+    )  # fmt: skip
+
+
+async def _probe(req: RescoreRequest, ref: AnyReference, ids: Sequence[int]) -> float | None:
     """TV between engine and reference next-token distributions for the first prompt (its
     first token always comes from the normal path, never the speculative loop). vLLM is asked
     for its top tokens at temperature 1 with nothing truncated (`sampling.vllm_top`), the
@@ -249,7 +275,7 @@ async def _probe(req: RescoreRequest, ref: Reference, ids: Sequence[int]) -> flo
             got = await vllm_top(req.url, ids, k, model=req.vllm_model, timeout=req.timeout)
         except ClientError as e:
             raise RescoreError(f"the engine under test: {e}") from None
-        async with Reference(ref.url, neutral, timeout=req.timeout, concurrency=1) as at_k:
+        async with open_reference(req, ref.url, neutral, concurrency=1) as at_k:
             await at_k.prepare()
             want = await at_k.next_token(ids)
         return probe_difference(got, want.probs)
@@ -277,7 +303,7 @@ async def run_against(
     starts."""
     t0 = time.monotonic()
     async with (
-        Reference(ref_url, req.sampler, timeout=req.timeout, concurrency=req.concurrency) as ref,
+        open_reference(req, ref_url) as ref,
         contextlib.AsyncExitStack() as stack,
     ):
         ident = await ref.prepare()
@@ -289,9 +315,7 @@ async def run_against(
             )
         prompts = [list(p) for p in req.prompt_ids] or [await ref.tokenize(t) for t in req.prompts]
         n_probs = support_size(req.sampler, ident.n_vocab)
-        tv_floor, lp_floor = await alone(
-            ref_url, noise_spread, ref_url, prompts[0], req.sampler, n_probs, req.timeout
-        )
+        tv_floor, lp_floor = await reference_spread(ref, prompts[0], n_probs, req.timeout)
         tv = await (probe or (lambda r, ids: _probe(req, r, ids)))(ref, prompts[0])
         allowed = max(PROBE_TOLERANCE, 2 * tv_floor)
         if tv is not None and tv > allowed:
@@ -306,6 +330,8 @@ async def run_against(
             seeds=req.seeds, tokens=req.tokens, sampler=req.sampler, probe_tv=tv,
             noise_tv=tv_floor, noise_logprob=lp_floor,
         )  # fmt: skip
+        if isinstance(ref, VllmReference):
+            res.notes.append(VLLM_REFERENCE_NOTE)
         margin = max(2 * lp_floor, BOUNDARY_MIN)
         edges = OutsideSorter(ref, prompts, n_probs, margin, req.timeout)
         watch = (
@@ -355,7 +381,7 @@ def _decide(
 
 async def _control_arm(
     req: RescoreRequest,
-    sources: tuple[Reference, NextTokenSource | None],
+    sources: tuple[AnyReference, NextTokenSource | None],
     res: RescoreResult,
     n_probs: int,
     margin: float,
@@ -366,10 +392,17 @@ async def _control_arm(
     the engine's), and the same-seed coupling against the engine's samples, with the
     reference asked again for `CONTROL_REPEATS` of them."""
     ref = sources[0]
-    smp = ServerSampler(
-        ref.url, req.sampler, req.tokens, label="reference (control)", timeout=req.timeout,
-        concurrency=req.concurrency,
-    )  # fmt: skip
+    smp: ServerSampler | VllmSampler
+    if isinstance(ref, VllmReference):  # its own API, its own ids; no drafts to count
+        smp = VllmSampler(
+            ref.url, req.sampler, req.tokens, model=ref.model, label="reference (control)",
+            timeout=req.timeout, concurrency=req.concurrency,
+        )  # fmt: skip
+    else:
+        smp = ServerSampler(
+            ref.url, req.sampler, req.tokens, label="reference (control)", timeout=req.timeout,
+            concurrency=req.concurrency,
+        )  # fmt: skip
     sem = asyncio.Semaphore(req.concurrency)
 
     async def draw(g: SeededGeneration) -> SeededGeneration:
@@ -454,7 +487,7 @@ async def _draw(sampler: Sampler, prompt: int, ids: Sequence[int], seed: int) ->
 async def _sample_and_rescore(
     req: RescoreRequest,
     sampler: Sampler,
-    sources: tuple[Reference, NextTokenSource | None],
+    sources: tuple[AnyReference, NextTokenSource | None],
     prompts: list[list[int]],
     res: RescoreResult,
     progress: ProgressFn | None,
@@ -549,7 +582,7 @@ class _Looks:
 
 
 async def _rescored(
-    sources: tuple[Reference, NextTokenSource | None],
+    sources: tuple[AnyReference, NextTokenSource | None],
     seed: int,
     prompt: int,
     prompt_ids: Sequence[int],

@@ -26,6 +26,7 @@ from specaudit.reference import COVERAGE, NextToken, sampling_fields
 from specaudit.rescore.flags import DraftFlag, align, parse_flags
 from specaudit.rescore.records import RescoreError
 from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counters
+from specaudit.vllm.request import completions_body
 
 
 @dataclass(frozen=True)
@@ -254,19 +255,9 @@ class VllmSampler:
         self._client = AsyncClient(
             self.url, timeout=timeout, max_connections=concurrency, api_key=api_key
         )
-        self._body: dict[str, Any] = {
-            "max_tokens": tokens,
-            "temperature": sampler.temperature,
-            "top_k": sampler.top_k,  # 0: off, as in llama.cpp
-            "top_p": sampler.top_p,
-            "min_p": sampler.min_p,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": False,
-        }
+        # the model is added per request (`_model`: the one the server serves unless given)
+        self.sampler = sampler
+        self._body = completions_body(sampler, tokens=tokens, ignore_eos=True)
         self._start: asyncio.Future[dict[str, float]] | None = None
         self._closed = False
         self.run_counts: tuple[int, int] | None = None
@@ -293,8 +284,10 @@ class VllmSampler:
         (as the server's ``--logprobs-mode`` reports them)."""
         body = await self._client.post(
             "/v1/completions",
-            {**self._body, "model": await self._model(), "prompt": list(ids), "seed": 0,
-             "max_tokens": 1, "logprobs": k, "return_tokens_as_token_ids": True},
+            completions_body(
+                self.sampler, tokens=1, ignore_eos=True, prompt_ids=ids,
+                model=await self._model(), seed=0, logprobs=k,
+            ),
         )  # fmt: skip
         try:
             top = body["choices"][0]["logprobs"]["top_logprobs"][0]

@@ -27,6 +27,10 @@ from specaudit.reference import (
 from specaudit.rescore import outside
 from specaudit.rescore.outside import EdgeLeak, Key, leak_units
 from specaudit.rescore.records import TokenDraw
+from specaudit.vllm.reference import VllmReference
+
+# the reference a run asks: a plain llama-server, or a plain vLLM server (`vllm.reference`)
+AnyReference = Reference | VllmReference
 
 EDGE_CONFIRM = 8  # tokens past the far margin whose own prefix's batch shapes are asked
 FAR_FACTOR = 4.0  # "beyond any margin": this many times the run's margin below the k-th
@@ -72,6 +76,58 @@ def noise_spread(
     return tv, lp
 
 
+async def reference_spread(
+    ref: AnyReference, ids: Sequence[int], n_probs: int, timeout: float = 120.0
+) -> tuple[float, float]:
+    """`noise_spread` of the run's reference: a llama-server alone on its slots
+    (`noise_spread`), a vLLM server in the shapes it lets a client cause (`vllm_spread`)."""
+    if isinstance(ref, VllmReference):
+        return await vllm_spread(ref, ids, n_probs)
+    return await alone(ref.url, noise_spread, ref.url, ids, ref.sampler, n_probs, timeout)
+
+
+async def vllm_spread(
+    ref: VllmReference, ids: Sequence[int], n_probs: int, extend: int = 24
+) -> tuple[float, float]:
+    """`noise_spread` on a vLLM reference: over `ids` and `ids` extended by `extend` tokens of
+    its own, the answers of four identical requests at once and of the prefix batched with its
+    shorter prefixes and asked again on the prefix cache that left (`VllmReference.shapes`:
+    vLLM has no slot to pin, so llama-server's k-tokens-on-a-cached-prefix shapes are not to
+    be had)."""
+    gen = await ref.generate(ids, extend)
+    tv, lp = 0.0, 0.0
+    for p in (list(ids), [*ids, *gen]):
+        answers = await other_shapes(ref, p, n_probs, with_concurrent=True)
+        tv = max(tv, *(probe_difference(a.probs, b.probs) for a in answers for b in answers))
+        lp = max(lp, logprob_spread(answers))
+    return tv, lp
+
+
+async def other_shapes(
+    ref: AnyReference,
+    ids: Sequence[int],
+    n_probs: int,
+    *,
+    with_concurrent: bool = False,
+    raw: bool = True,
+    timeout: float = 120.0,
+) -> list[NextToken]:
+    """The reference's answers for `ids` in the batch shapes a verification uses, as far as
+    the reference lets a client cause them: llama-server's last k tokens as one batch on a
+    cached prefix (`incremental_answers`, pinned slot, asked `alone`); vLLM's batched and
+    prefix-cached shapes (`VllmReference.shapes`). `with_concurrent` adds four identical
+    requests at once; `raw` the raw top-(`n_probs` + 20) log-probabilities."""
+    raw_n = n_probs + 20 if raw else 0
+    if isinstance(ref, VllmReference):
+        out = await ref.concurrent(ids, raw_n) if with_concurrent else []
+        return out + await ref.shapes(ids, raw_n)
+    assert not with_concurrent, "llama-server's concurrent answers are noise_spread's own"
+    return await alone(
+        ref.url, incremental_answers, ref.url, ids, ref.sampler, n_probs,
+        raw_probs=n_probs + 20, timeout=timeout,
+    )  # fmt: skip
+
+
 def edge_leak(
     url: str,
     prefixes: Sequence[Sequence[int]],
@@ -104,7 +160,7 @@ def edge_leak(
 
 
 async def measure_edge_leak(
-    ref: Reference,
+    ref: AnyReference,
     prompts: Sequence[Sequence[int]],
     draws: Sequence[TokenDraw],
     n_probs: int,
@@ -118,6 +174,12 @@ async def measure_edge_leak(
     if not picked:
         return None
     prefixes = [[*prompts[d.prompt], *outside.generated_ids(d)] for d in picked]
+    if isinstance(ref, VllmReference):
+        leaks = []
+        for p, d in zip(prefixes, picked, strict=True):
+            shapes = await other_shapes(ref, p, n_probs, with_concurrent=True, raw=False)
+            leaks.append(leak_units(d.ref.probs, [a.probs for a in shapes]))
+        return EdgeLeak(tuple(leaks), alpha * outside.BOUND_SHARE)
     return await alone(
         ref.url, edge_leak, ref.url, prefixes, [d.ref.probs for d in picked], ref.sampler,
         n_probs, alpha * outside.BOUND_SHARE, timeout,
@@ -139,7 +201,7 @@ class OutsideSorter:
 
     def __init__(
         self,
-        ref: Reference,
+        ref: AnyReference,
         prompts: Sequence[Sequence[int]],
         n_probs: int,
         margin: float,
@@ -177,10 +239,7 @@ class OutsideSorter:
         if self.confirmed >= EDGE_CONFIRM:
             return True
         self.confirmed += 1
-        answers = await alone(
-            self.ref.url, incremental_answers, self.ref.url, prefix, self.ref.sampler,
-            self.n_probs, raw_probs=self.n_probs + 20, timeout=self.timeout,
-        )  # fmt: skip
+        answers = await other_shapes(self.ref, prefix, self.n_probs, timeout=self.timeout)
         return not at_the_edge(d.token, [whole, *answers], self.margin)
 
 
@@ -217,6 +276,7 @@ def probe_difference(a: Mapping[int, float], b: Mapping[int, float]) -> float:
 
 
 __all__ = [
+    "AnyReference",
     "EDGE_CONFIRM",
     "FAR_FACTOR",
     "FAR_MIN",
@@ -227,5 +287,8 @@ __all__ = [
     "measure_edge_leak",
     "logprob_spread",
     "noise_spread",
+    "other_shapes",
     "probe_difference",
+    "reference_spread",
+    "vllm_spread",
 ]

@@ -38,11 +38,12 @@ from specaudit.fidelity import (
 )
 from specaudit.fixtures import SamplerSettings
 from specaudit.logprobs import TokenRecord, from_entries
+from specaudit.vllm.request import TOKEN_ID_PREFIX, completions_body, token_id
 
 RAW = "raw_logprobs"
 PROCESSED = "processed_logprobs"
 MODES = (RAW, PROCESSED)
-_PREFIX = "token_id:"
+_PREFIX = TOKEN_ID_PREFIX
 
 
 def request_body(
@@ -54,33 +55,12 @@ def request_body(
     n: int,
 ) -> dict[str, Any]:
     """One sampled completion with the top-`n` logprobs of every generated token, ids for
-    tokens and candidates, the sampler as given and nothing else (no penalties, no stop)."""
-    return {
-        "model": model,
-        "prompt": list(prompt_ids),
-        "max_tokens": tokens,
-        "temperature": sampler.temperature,
-        "top_k": sampler.top_k,
-        "top_p": sampler.top_p,
-        "min_p": sampler.min_p,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0,
-        "ignore_eos": True,
-        "seed": seed,
-        "logprobs": n,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-    }
-
-
-def _id(token: Any) -> int | None:
-    if isinstance(token, str) and token.startswith(_PREFIX):
-        try:
-            return int(token[len(_PREFIX) :])
-        except ValueError:
-            return None
-    return None
+    tokens and candidates, the sampler as given and nothing else (no penalties, no stop):
+    `vllm.request.completions_body`."""
+    return completions_body(
+        sampler, tokens=tokens, ignore_eos=True, prompt_ids=prompt_ids, model=model, seed=seed,
+        logprobs=n,
+    )  # fmt: skip
 
 
 def _num(x: Any) -> float | None:
@@ -112,7 +92,7 @@ def records(body: Mapping[str, Any], n: int, mode: str) -> list[TokenRecord]:
     for i, tid in enumerate(ids):
         value = _num(values[i]) if i < len(values) else None
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        cands = [(k, _id(k), _num(v)) for k, v in top.items()]
+        cands = [(k, token_id(k), _num(v)) for k, v in top.items()]
         if mode == RAW:
             entries.append({
                 "token": f"{_PREFIX}{tid}", "id": tid, "logprob": value,
