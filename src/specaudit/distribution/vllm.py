@@ -38,7 +38,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -56,6 +56,9 @@ from specaudit.speculation import VLLM_ACCEPTED, VLLM_DRAFTED, prometheus_counte
 from specaudit.vllm.fidelity import MODES as LOGPROBS_MODES  # vLLM's default first
 from specaudit.vllm.fixes import resolve as resolve_fixes
 from specaudit.vllm.request import completions_body
+
+if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
+    from specaudit.fixtures.hf import HfExport
 
 METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle")
 DEFAULT_METHODS = ("plain", "ngram")
@@ -491,7 +494,7 @@ def exported(req: DistRequest) -> Iterator[Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def head(method: str, ex: Any) -> Path | None:
+def head(method: str, ex: HfExport) -> Path | None:
     """The EAGLE head `method` needs, built into the export `ex`; None for the others."""
     if method != "eagle":
         return None
