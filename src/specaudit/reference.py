@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
+from typing import Any, ParamSpec, Protocol, Self, TypeVar, runtime_checkable
 
 from specaudit import speculation
 from specaudit.client import AsyncClient, Client, ClientError
@@ -339,36 +339,21 @@ class SamplerBoundSource(NextTokenSource, Protocol):
     def at(self, sampler: SamplerSettings) -> NextTokenSource: ...
 
 
-class Reference:
-    """An async client of a plain llama-server serving the reference model.
+class PrefixQuestions:
+    """Next-token answers of a reference server, cached by prefix: every seed's first token
+    shares the prompt's prefix, and a question already in flight is not asked twice
+    (concurrent seeds reach the same prefixes at once: the prompt, and on a small vocabulary
+    most short continuations); at most `concurrency` requests are in flight. Subclasses speak
+    a server's API in `_ask` (`Reference`: llama-server; `vllm.reference.VllmReference`)."""
 
-    Answers are cached by prefix (every seed's first token shares the prompt's prefix), a
-    question already in flight is not asked twice (concurrent seeds reach the same prefixes at
-    once: the prompt, and on a small vocabulary most short continuations), and at most
-    `concurrency` requests are in flight (the reference's parallel slots).
-    """
-
-    def __init__(
-        self,
-        url: str,
-        sampler: SamplerSettings,
-        *,
-        timeout: float = 60.0,
-        concurrency: int = 4,
-        raw_probs: int = 0,
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.sampler = sampler
-        self.raw_probs = raw_probs
-        self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency)
+    def __init__(self, client: AsyncClient, concurrency: int) -> None:
+        self._client = client
         self._sem = asyncio.Semaphore(concurrency)
         self._cache: dict[tuple[int, ...], NextToken] = {}
         self._asking: dict[tuple[int, ...], asyncio.Future[NextToken]] = {}
-        self._n_probs = 0
-        self.n_vocab: int | None = None  # the served model's vocabulary, once prepared
-        self.requests = 0
+        self._n_probs = 0  # set by the subclass's prepare()
 
-    async def __aenter__(self) -> Reference:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -380,6 +365,49 @@ class Reference:
             f.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self._client.aclose()
+
+    async def next_token(self, ids: Sequence[int]) -> NextToken:
+        """The processed next-token distribution after `ids` (and the raw top log-probs when
+        asked for); a ReferenceUnusable when it does not cover the sampler's support."""
+        key = tuple(ids)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if not self._n_probs:
+            raise ReferenceUnusable(f"{type(self).__name__}.prepare() must run before next_token()")
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = asyncio.ensure_future(self._ask(key))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        # shielded: one caller cancelled (a seed's task torn down) must not cancel the others
+        return await asyncio.shield(asking)
+
+    async def _ask(self, key: tuple[int, ...]) -> NextToken:
+        raise NotImplementedError
+
+
+class Reference(PrefixQuestions):
+    """An async client of a plain llama-server serving the reference model (`PrefixQuestions`:
+    at most `concurrency` requests in flight, the reference's parallel slots)."""
+
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        *,
+        timeout: float = 60.0,
+        concurrency: int = 4,
+        raw_probs: int = 0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        super().__init__(
+            AsyncClient(self.url, timeout=timeout, max_connections=concurrency), concurrency
+        )
+        self.sampler = sampler
+        self.raw_probs = raw_probs
+        self.n_vocab: int | None = None  # the served model's vocabulary, once prepared
+        self.requests = 0
 
     async def prepare(self) -> ModelIdentity:
         """Refuse a reference that speculates or is not a llama-server; size the requests to
@@ -439,23 +467,6 @@ class Reference:
             raise ReferenceUnusable(
                 "the reference's /detokenize answered without content"
             ) from None
-
-    async def next_token(self, ids: Sequence[int]) -> NextToken:
-        """The processed next-token distribution after `ids` (and the raw top log-probs when
-        `raw_probs` > 0); a ReferenceUnusable when it does not cover the sampler's support."""
-        key = tuple(ids)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        if not self._n_probs:
-            raise ReferenceUnusable("Reference.prepare() must run before next_token()")
-        asking = self._asking.get(key)
-        if asking is None:
-            asking = asyncio.ensure_future(self._ask(key))
-            self._asking[key] = asking
-            asking.add_done_callback(lambda _: self._asking.pop(key, None))
-        # shielded: one caller cancelled (a seed's task torn down) must not cancel the others
-        return await asyncio.shield(asking)
 
     async def _ask(self, key: tuple[int, ...]) -> NextToken:
         ids = list(key)
@@ -652,6 +663,7 @@ __all__ = [
     "ModelIdentity",
     "NextToken",
     "NextTokenSource",
+    "PrefixQuestions",
     "SamplerBoundSource",
     "Reference",
     "ReferenceUnusable",

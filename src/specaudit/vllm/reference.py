@@ -42,6 +42,7 @@ from specaudit.reference import (
     COVERAGE,
     ModelIdentity,
     NextToken,
+    PrefixQuestions,
     ReferenceUnusable,
     support_size,
 )
@@ -81,14 +82,13 @@ def processed_probs(logprobs: dict[int, float]) -> dict[int, float]:
     return {t: math.exp(v) for t, v in logprobs.items() if math.isfinite(v) and v > LOG_ZERO}
 
 
-class VllmReference:
+class VllmReference(PrefixQuestions):
     """An async client of a plain vLLM server serving the reference model: the interface
     rescore's runner asks a reference through (`specaudit.reference.Reference`'s), on
     vLLM's ``/v1/completions``.
 
-    Answers are cached by prefix and a question in flight is not asked twice; at most
-    `concurrency` requests are in flight. `raw_probs` > 0 adds the raw top log-probabilities
-    to each answer."""
+    Answers are cached by prefix and a question in flight is not asked twice
+    (`PrefixQuestions`). `raw_probs` > 0 adds the raw top log-probabilities to each answer."""
 
     def __init__(
         self,
@@ -101,22 +101,13 @@ class VllmReference:
         model: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency + COPIES)
+        super().__init__(client, concurrency)
         self.sampler = sampler
         self.raw_probs = raw_probs
         self.model = model
-        self._client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency + COPIES)
-        self._sem = asyncio.Semaphore(concurrency)
-        self._cache: dict[tuple[int, ...], NextToken] = {}
-        self._asking: dict[tuple[int, ...], asyncio.Future[NextToken]] = {}
-        self._n_probs = 0
         self.n_vocab: int | None = None
         self.requests = 0
-
-    async def __aenter__(self) -> VllmReference:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._client.aclose()
 
     async def prepare(self) -> ModelIdentity:
         """Refuse a server that is not vLLM, serves several models, speculates, cannot return
@@ -216,21 +207,6 @@ class VllmReference:
             raise ReferenceUnusable(
                 "the vLLM reference's /detokenize answered without its text"
             ) from None
-
-    async def next_token(self, ids: Sequence[int]) -> NextToken:
-        """The processed next-token distribution after `ids` (cached per prefix)."""
-        key = tuple(ids)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        if not self._n_probs:
-            raise ReferenceUnusable("VllmReference.prepare() must run before next_token()")
-        asking = self._asking.get(key)
-        if asking is None:
-            asking = asyncio.ensure_future(self._ask(key))
-            self._asking[key] = asking
-            asking.add_done_callback(lambda _: self._asking.pop(key, None))
-        return await asyncio.shield(asking)
 
     async def _ask(self, key: tuple[int, ...]) -> NextToken:
         async with self._sem:
