@@ -154,6 +154,10 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
     if callable(handler) and handler is not _sigterm:
         handler(signal.SIGINT, frame)
         return
+    # SIGINT ignored (a background job of a shell without job control): the interrupt is
+    # raised inside whichever task runs, and asyncio would report the tasks it leaves behind,
+    # with tracebacks, as soon as they are collected: silence it before anything unwinds
+    logging.getLogger("asyncio").disabled = True
     raise KeyboardInterrupt
 
 
