@@ -432,19 +432,24 @@ def _tilt(truth: distribution.Truth, tv: float) -> Bend:
 def test_sequential_does_not_stop_at_preserved_on_a_small_deviation() -> None:
     """Per-context TV 0.05 (the fixed test at N = 1000 rejects it): sequential mode used to stop
     at PRESERVED (35 of 40 runs: in none of these 5 only 1 time in 30,000); now an early stop
-    is WITHIN TOLERANCE, never PRESERVED."""
+    is WITHIN TOLERANCE, never PRESERVED. Tolerance 0.3, so that the TV bounds stop most runs
+    at the 200- or 400-sample look, before the looks' tests see the deviation: at 0.15 the
+    looks reject it first (BROKEN at 400 to 1600 samples in all 5 runs), and a rule that
+    called the early stop PRESERVED would pass unseen."""
     truth = distribution.Truth(SPEC, WL)
     bend = _tilt(truth, 0.05)
     rng = np.random.default_rng(12)
     seen: Counter[Verdict] = Counter()
     for _ in range(5):
         samples = draw(TRUTH, 2000, rng, bend)
-        verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.15)
+        verdict, res = distribution.replay_sequential(SPEC, WL, samples, alpha=0.01, tolerance=0.3)
         seen[verdict] += 1
         assert verdict is not Verdict.PRESERVED
         if verdict is Verdict.WITHIN_TOLERANCE:
-            assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.15
+            assert res.decided_by == "tv-bound" and max(res.tv_uppers) <= 0.3
+            assert res.samples_used < 2000  # an early stop
     assert seen[Verdict.WITHIN_TOLERANCE] + seen[Verdict.BROKEN] == 5
+    assert seen[Verdict.WITHIN_TOLERANCE] >= 3, seen  # the early stop is what is checked
     fixed = distribution.analyse(SPEC, WL, draw(TRUTH, 1000, rng, bend))
     assert fixed.verdict is Verdict.BROKEN
 
