@@ -9,6 +9,7 @@ asserts; the unit suite runs the same studies with a few replicates):
     history-null     BROKEN and each history test's rejection <= alpha 0.05
     seed-pairs-null  the seed-pair test's rejection of independent seeds <= alpha 0.05
     looks-power      a history bug only the looks can see is BROKEN before the maximum
+    leakage-power    draft leakage at the reported minimum is detected with the claimed 80 %
 
     .venv/bin/python benchmarks/bench_calibration.py STUDY [--runs N] [--json FILE]
     .venv/bin/python benchmarks/bench_calibration.py all [--json FILE]
@@ -57,6 +58,11 @@ STUDIES: dict[str, tuple[Study, int, str]] = {
         lambda runs: [calibration.looks_detect_early(runs)],
         40,
         "sequential runs of the pool-preserving bug, up to 1000 samples each",
+    ),
+    "leakage-power": (
+        lambda runs: [r for kind in (0, 1) for r in calibration.leakage_detected(runs, kind)[1]],
+        200,
+        "engines leaking toward the draft per fixture kind, 1000 samples each",
     ),
 }
 

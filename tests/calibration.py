@@ -19,6 +19,7 @@ from scipy import stats as st
 
 from closed_form import Bend, draw
 from specaudit import distribution, fixtures
+from specaudit.distribution import sequential
 from specaudit.distribution.counting import OutcomeCounts
 from specaudit.distribution.dependence import history_positions, seed_pair_result
 from specaudit.distribution.truth import stratum_key
@@ -184,3 +185,41 @@ def looks_detect_early(runs: int, *, n: int = 1000) -> Rate:
             assert res.decided_by == "fixed-look" and res.look_level is not None, res
             early += res.samples_used < n
     return Rate("BROKEN at a look before the maximum", early, runs, LOOKS_POWER, False)
+
+
+def leak_bend(truth: distribution.Truth, lam: float) -> Bend:
+    """Draft leakage: p + lam (d~ - p), d~ the draft's distribution on the target's support."""
+
+    def bend(prefix: str, p: np.ndarray) -> np.ndarray:
+        d = truth.draft_next(prefix) * (p > 0)
+        return p + lam * (d / d.sum() - p)
+
+    return bend
+
+
+def leakage_detected(
+    runs: int, kind: int = 0, *, n: int = 1000, alpha: float = 0.01
+) -> tuple[distribution.EngineResult, list[Rate]]:
+    """Draft leakage at the minimum the analysis reports (its `directed.lambda_`, from a correct
+    engine's n samples, seed 5) on fixture kind `kind` (0 last-token, 1 context), `runs`
+    engines of n samples each (seed 6): BROKEN, and the directed test's rejection, at least
+    as often as the claimed power (80 %) allows. Returns the correct engine's result too."""
+    spec, wl = KINDS[kind]
+    truth = distribution.Truth(spec, wl)
+    null = distribution.analyse(spec, wl, draw(truth, n, np.random.default_rng(5)), alpha=alpha)
+    if null.directed is None or null.directed.lambda_ is None:
+        raise ValueError("the analysis reported no directed power")
+    rng, bend = np.random.default_rng(6), leak_bend(truth, null.directed.lambda_)
+    results = [
+        distribution.analyse(
+            spec, wl, draw(truth, n, rng, bend), alpha=alpha, mc_stop_hits=sequential.MC_STOP_HITS
+        )
+        for _ in range(runs)
+    ]
+    broken = sum(r.verdict is Verdict.BROKEN for r in results)
+    rejected = sum(next(t for t in r.tests if t.kind == "directed").rejected for r in results)
+    power = null.directed.power
+    return null, [
+        Rate(f"BROKEN of draft leakage ({spec.name})", broken, runs, power, False),
+        Rate(f"directed test rejects draft leakage ({spec.name})", rejected, runs, power, False),
+    ]

@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specaudit import fixtures
 from specaudit.fixtures import hf
@@ -48,6 +46,8 @@ def exports(
 
 def _model(path: Path, gguf_file: str | None = None) -> Any:
     """transformers' model from a folder (or a GGUF in it), its progress bars silenced."""
+    from transformers import AutoModelForCausalLM  # here: collecting the suite skips torch
+
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     with contextlib.redirect_stderr(io.StringIO()):
         return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
@@ -84,6 +84,8 @@ def test_plain_transformers_reads_the_closed_form(
 ) -> None:
     """The folder alone, through AutoModelForCausalLM: probabilities within 1e-5 of
     `next_token_distribution` at T = 1, target and draft, at the exported head size."""
+    import torch
+
     ex = exports[(kind, head)]
     spec = ex.spec
     for which in MODELS:
@@ -103,6 +105,8 @@ def test_tokenizer_round_trips_the_letters_to_the_gguf_ids(
     exports: dict[tuple[str, int | None], hf.HfExport],
     kind: str,
 ) -> None:
+    from transformers import AutoTokenizer
+
     fs = sources[kind]
     spec = fs.spec
     tok = AutoTokenizer.from_pretrained(exports[(kind, None)].target)

@@ -8,8 +8,13 @@ import pytest
 from specaudit import fixtures
 from specaudit.distribution import hf
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_torch() -> None:
+    """Skip the module without torch and transformers; imported here, not when the suite is
+    collected (every xdist worker collects every file)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,8 @@ def test_dflash_is_a_generator_and_no_longer_listed_as_not_runnable() -> None:
 def test_the_dflash_drafter_fits_the_target_and_is_seeded(
     fixture_set: fixtures.FixtureSet, models: hf.Models
 ) -> None:
+    import torch
+
     torch.manual_seed(7)
     before = torch.rand(1)
     torch.manual_seed(7)

@@ -11,27 +11,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import litellm
 import pytest
-from litellm import Router
-from litellm.exceptions import ServiceUnavailableError
-from litellm.types.utils import (
-    ChatCompletionTokenLogprob,
-    ChoiceLogprobs,
-    Choices,
-    Delta,
-    Message,
-    ModelResponse,
-    ModelResponseStream,
-    StreamingChoices,
-    TopLogprob,
-)
 
-from specaudit.integrations import litellm as sa
-from specaudit.integrations import litellm_wrappers
+from lazy_module import LazyModule
 from specaudit.llama.server import free_port
+
+if TYPE_CHECKING:
+    import litellm
+    from litellm import Router, exceptions
+    from litellm.types import utils as lt
+    from litellm.types.utils import ChatCompletionTokenLogprob, ModelResponse
+
+    from specaudit.integrations import litellm as sa
+    from specaudit.integrations import litellm_wrappers
+else:  # imported by the first test that uses them: collecting the suite skips LiteLLM (6 s)
+    litellm = LazyModule("litellm")
+    exceptions = LazyModule("litellm.exceptions")
+    lt = LazyModule("litellm.types.utils")
+    sa = LazyModule("specaudit.integrations.litellm")
+    litellm_wrappers = LazyModule("specaudit.integrations.litellm_wrappers")
 
 
 @pytest.mark.parametrize(
@@ -54,8 +54,8 @@ def test_requested(request_: dict, n: int) -> None:
 
 
 def _entry(k: int) -> ChatCompletionTokenLogprob:
-    tops = [TopLogprob(token="a", bytes=[97], logprob=-0.5) for _ in range(k)]
-    return ChatCompletionTokenLogprob(token="a", bytes=[97], logprob=0.0, top_logprobs=tops)
+    tops = [lt.TopLogprob(token="a", bytes=[97], logprob=-0.5) for _ in range(k)]
+    return lt.ChatCompletionTokenLogprob(token="a", bytes=[97], logprob=0.0, top_logprobs=tops)
 
 
 def test_check_entries_nulls_placeholders_only() -> None:
@@ -84,7 +84,7 @@ def test_check_response_dicts_and_legacy() -> None:
 
 
 def test_check_chunk_adds_the_missing_entry() -> None:
-    chunk = ModelResponseStream(choices=[StreamingChoices(delta=Delta(content="c"))])
+    chunk = lt.ModelResponseStream(choices=[lt.StreamingChoices(delta=lt.Delta(content="c"))])
     assert sa.check_chunk(chunk, 3) == (1, 1)
     lp = chunk.choices[0].logprobs
     assert lp is not None and lp.content is not None
@@ -93,13 +93,15 @@ def test_check_chunk_adds_the_missing_entry() -> None:
     assert entry["token"] == "c" and entry["logprob"] is None
     assert entry["top_logprobs"] == []
     assert '"logprob":null' in chunk.model_dump_json().replace(" ", "")
-    real = ModelResponseStream(
+    real = lt.ModelResponseStream(
         choices=[
-            StreamingChoices(delta=Delta(content="a"), logprobs=ChoiceLogprobs(content=[_entry(3)]))
+            lt.StreamingChoices(
+                delta=lt.Delta(content="a"), logprobs=lt.ChoiceLogprobs(content=[_entry(3)])
+            )
         ]
     )
     assert sa.check_chunk(real, 3) == (1, 0)
-    empty = ModelResponseStream(choices=[StreamingChoices(delta=Delta(content=None))])
+    empty = lt.ModelResponseStream(choices=[lt.StreamingChoices(delta=lt.Delta(content=None))])
     assert sa.check_chunk(empty, 3) == (0, 0)
 
 
@@ -163,7 +165,7 @@ def test_choose() -> None:
     roles: list[sa.Role | None] = [h.roles[u] for u in (PLAIN, SPEC, DEAD)]
     assert h.choose("g", deps, roles, {"messages": MSG, **LOGPROBS}) == [deps[0]]
     assert h.choose("g", deps, roles, {"messages": MSG}) == [deps[1]]  # speculating preferred
-    with pytest.raises(ServiceUnavailableError) as e:
+    with pytest.raises(exceptions.ServiceUnavailableError) as e:
         h.choose("g", deps[1:], roles[1:], {"prompt": "x", "logprobs": 2})
     assert e.value.status_code == 503
     assert f"{SPEC}: speculates" in str(e.value) and f"{DEAD}: down (connection refused)" in str(
@@ -173,12 +175,12 @@ def test_choose() -> None:
     assert h.choose("g", deps[1:], roles[1:], {"messages": MSG, **LOGPROBS}) == [deps[1]]
     assert (h.stats.logprobs_requests, h.stats.refused, h.stats.annotated) == (3, 1, 1)
     # a role not read yet is no plain deployment: the 503 says so
-    with pytest.raises(ServiceUnavailableError, match="not checked yet"):
+    with pytest.raises(exceptions.ServiceUnavailableError, match="not checked yet"):
         sa.SpecauditRouting().choose("g", deps[:1], [sa.Role(PLAIN)], {"messages": MSG, **LOGPROBS})
 
 
 def _router(urls: list[str]) -> Router:
-    return Router(
+    return litellm.Router(
         model_list=[
             {
                 "model_name": "g",
@@ -218,7 +220,7 @@ def test_sync_selection_routes(registered: Callable[..., sa.SpecauditRouting]) -
     assert pinned["model_info"]["id"] == SPEC
     # no plain deployment up: the 503, or (annotate) anything not down
     r2 = _router([SPEC, DEAD])
-    with pytest.raises(ServiceUnavailableError, match="asks for logprobs"):
+    with pytest.raises(exceptions.ServiceUnavailableError, match="asks for logprobs"):
         r2.get_available_deployment(model="g", messages=MSG, request_kwargs=dict(LOGPROBS))
     h.on_plain_down = "annotate"
     assert _picks(r2, **LOGPROBS) == {SPEC}
@@ -233,7 +235,7 @@ def test_async_call_under_a_legacy_strategy_routes(
     h = registered(check_interval=3600)
     h.roles = _roles()
     model_list = _router([PLAIN, SPEC]).model_list
-    r = Router(model_list=model_list, routing_strategy="usage-based-routing")
+    r = litellm.Router(model_list=model_list, routing_strategy="usage-based-routing")
 
     async def picks(**request: object) -> set[str]:
         got = set()
@@ -250,8 +252,10 @@ def test_async_call_under_a_legacy_strategy_routes(
 
 def _response(tops: list[int]) -> ModelResponse:
     content = [_entry(k) for k in tops]
-    choice = Choices(message=Message(content="a"), logprobs=ChoiceLogprobs(content=content))
-    resp = ModelResponse(choices=[choice])
+    choice = lt.Choices(
+        message=lt.Message(content="a"), logprobs=lt.ChoiceLogprobs(content=content)
+    )
+    resp = lt.ModelResponse(choices=[choice])
     resp._hidden_params["api_base"] = PLAIN + "/v1"
     return resp
 

@@ -28,6 +28,10 @@ class EProcess:
         self.steps = 0
         self.impossible = 0
         self._counts: dict[Hashable, np.ndarray] = {}
+        # per context: its tokens seen so far, and the prior of the last null given for it
+        # (the null's bytes, the prior, its sum), recomputed only when the null changes
+        self._seen: dict[Hashable, float] = {}
+        self._priors: dict[Hashable, tuple[bytes, np.ndarray, float]] = {}
 
     def update(
         self, context: Hashable, probs: Sequence[float] | np.ndarray, observed: int
@@ -38,17 +42,26 @@ class EProcess:
         if counts is None:
             counts = np.zeros(len(p))
             self._counts[context] = counts
-        support = p > 0
-        n_off = int((~support).sum())
-        prior = np.where(support, self.prior, self.off_support_prior / max(n_off, 1))
-        q = (counts + prior) / (counts.sum() + prior.sum())
+            self._seen[context] = 0.0
+        key = p.tobytes()
+        cached = self._priors.get(context)
+        if cached is None or cached[0] != key:
+            support = p > 0
+            n_off = int((~support).sum())
+            prior = np.where(support, self.prior, self.off_support_prior / max(n_off, 1))
+            cached = (key, prior, float(prior.sum()))
+            self._priors[context] = cached
+        _, prior, prior_sum = cached
+        # the predictive (counts + prior) / (n + sum(prior)), at the observed token only
+        q = (float(counts[observed]) + float(prior[observed])) / (self._seen[context] + prior_sum)
         self.steps += 1
         if p[observed] <= 0:
             self.impossible += 1
             self.log_e = math.inf
         elif math.isfinite(self.log_e):
-            self.log_e += math.log(q[observed]) - math.log(p[observed])
+            self.log_e += math.log(q) - math.log(p[observed])
         counts[observed] += 1
+        self._seen[context] += 1.0
         return self.log_e
 
     @property
