@@ -15,6 +15,7 @@ In-process runs use the shared `cli` fixture (tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -680,6 +681,7 @@ class _Watched(_ClosedForm):
 
     async def sample(self, seed: int) -> distribution.Sample:
         if seed in self.at:
+            gc.collect()  # live memory only: garbage awaiting the collector is not growth
             self.used[seed] = tracemalloc.get_traced_memory()[0]
         return await super().sample(seed)
 
@@ -687,16 +689,18 @@ class _Watched(_ClosedForm):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sequential", [False, True])
 def test_memory_does_not_grow_while_sampling(sequential: bool) -> None:
-    eng = _Watched(WL, at=(1_000, 3_000))
+    eng = _Watched(WL, at=(1_000, 2_000, 3_000))
     tracemalloc.start()
     try:
         # tolerance ~0: sequential mode never stops early, it consumes every sample
         distribution.measure(eng, SPEC, WL, range(1, 3_001), sequential=sequential, tolerance=1e-9)
     finally:
         tracemalloc.stop()
-    growth = eng.used[3_000] - eng.used[1_000]
-    # before: every sample was kept (~230 bytes each: +0.45 MB here); now only counts are
-    assert growth < 150_000, growth
+    # before: every sample was kept (~230 bytes each: +0.23 MB per 1,000 seeds); now only
+    # counts are. A leak grows in both halves; a one-off allocation elsewhere in the process
+    # (tracemalloc sees every thread) lands in one half only.
+    growth = min(eng.used[2_000] - eng.used[1_000], eng.used[3_000] - eng.used[2_000])
+    assert growth < 100_000, growth
 
 
 def test_run_never_materialises_the_seed_range(
