@@ -283,3 +283,92 @@ def test_the_eagle_head_drafts_the_targets_favourite_after_the_token_it_is_fed(
         p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
         assert np.abs(p - np.array(list(want.values()))).max() < 1e-5
     assert json.loads((folder / "config.json").read_text())["hidden_size"] == h
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """Neox RoPE (halves rotated together) on [tokens, heads, head_dim]."""
+    d = x.shape[-1]
+    freq = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = pos[:, None, None] * freq
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate(
+        [a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1
+    )
+
+
+def dflash_block_logits(
+    p: dict[str, np.ndarray], cfg: dict[str, Any], aux: np.ndarray, block: list[int]
+) -> np.ndarray:
+    """vLLM 0.32.0's DFlash draft (model_executor/models/qwen3_dflash.py) in float64: the
+    context's keys and values from ``hidden_norm(fc(aux))`` through layer 0's k/v projections
+    (k-normed, RoPE'd at positions 0..n-1), the block's queries at n.. attending to the context
+    and the whole block (non-causal), then o_proj, the MLP and the final norm; the logits of
+    every block slot."""
+    w = {k: v.astype(np.float64) for k, v in p.items()}
+    eps, heads, hd = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["head_dim"]
+    theta = cfg["rope_theta"]
+    L = "layers.0."
+    ctx = _rms(aux @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = w["embed_tokens.weight"][block]
+    h = _rms(x, w[L + "input_layernorm.weight"], eps)
+    n, m = len(ctx), len(block)
+    pos_c, pos_b = np.arange(n, dtype=np.float64), np.arange(n, n + m, dtype=np.float64)
+
+    def proj(name: str, s: np.ndarray) -> np.ndarray:
+        return (s @ w[L + f"self_attn.{name}_proj.weight"].T).reshape(len(s), heads, hd)
+
+    q = _rope(_rms(proj("q", h), w[L + "self_attn.q_norm.weight"], eps), pos_b, theta)
+    kn = w[L + "self_attn.k_norm.weight"]
+    k = np.concatenate([
+        _rope(_rms(proj("k", ctx), kn, eps), pos_c, theta),
+        _rope(_rms(proj("k", h), kn, eps), pos_b, theta),
+    ])  # fmt: skip
+    v = np.concatenate([proj("v", ctx), proj("v", h)])
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    att = np.einsum("hqk,khd->qhd", a, v).reshape(m, heads * hd)
+    r = x + att @ w[L + "self_attn.o_proj.weight"].T
+    g = _rms(r, w[L + "post_attention_layernorm.weight"], eps)
+    gate, up = g @ w[L + "mlp.gate_proj.weight"].T, g @ w[L + "mlp.up_proj.weight"].T
+    r = r + (gate / (1 + np.exp(-gate)) * up) @ w[L + "mlp.down_proj.weight"].T
+    return _rms(r, w["norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize(("kind", "head"), [("last-token", 32), ("context", None)])
+def test_the_dflash_draft_drafts_the_targets_favourite_after_the_blocks_first_token(
+    exports: dict[tuple[str, int | None], hf.HfExport], kind: str, head: int | None
+) -> None:
+    """vLLM's DFlash draft built on the exported target, run in float64 as vLLM computes it:
+    whatever the target's features in the context and its length, every masked slot of a block
+    [x, <unk>, <unk>, <unk>] gives the target's logits after the prompt and x (so drafts its
+    favourite there, which on the last-token fixture is the closed form's after x); the mask
+    is the fixture's ``<unk>``, the draft keeps its own embed_tokens and lm_head."""
+    from safetensors.numpy import load_file
+
+    ex = exports[(kind, head)]
+    spec = ex.spec
+    folder = hf.export_dflash_head(ex)
+    params = load_file(str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["head_dim"] == ex.head_size
+    assert cfg["dflash_config"]["mask_token_id"] == spec.token_ids["<unk>"]
+    target = _model(ex.target)
+    assert not np.array_equal(params["lm_head.weight"], target.lm_head.weight.detach().numpy())
+    rng = np.random.default_rng(0)
+    h = spec.config.n_embd
+    logits = hf.target_logits(ex).astype(np.float64)
+    for tok in spec.letters:
+        want = logits[spec.token_ids[tok]]
+        truth = fixtures.raw_distribution(spec, spec.prompt + tok)
+        best = max(spec.letters, key=lambda t: truth[t])
+        for n in (1, 5, 12):
+            aux = rng.normal(0.0, 3.0, (n, h))
+            block = [spec.token_ids[tok]] + [spec.unk_id] * 3
+            z = dflash_block_logits(params, cfg, aux, block)[1:]
+            assert np.abs(z - want).max() < 1e-5, (tok, n)
+            assert {spec.tokens[i] for i in z.argmax(axis=1)} == {best}, (tok, n)

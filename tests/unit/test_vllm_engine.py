@@ -93,6 +93,9 @@ def test_speculative_configs_name_vllms_methods() -> None:
     assert dv.speculative_config("eagle", draft, Path("/e"))["model"] == "/e"  # type: ignore[index]
     with pytest.raises(distribution.DistError, match="needs an EAGLE head"):
         dv.speculative_config("eagle", draft)
+    assert dv.speculative_config("dflash", draft, Path("/e"))["model"] == "/e"  # type: ignore[index]
+    with pytest.raises(distribution.DistError, match="needs a DFlash draft"):
+        dv.speculative_config("dflash", draft)
 
 
 METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.

@@ -60,7 +60,7 @@ from specaudit.vllm.request import completions_body
 if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
     from specaudit.fixtures.hf import HfExport
 
-METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "dflash")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -73,6 +73,9 @@ METHOD_HELP = {
     "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf.export_eagle_head: it "
     f"drafts the target's favourite after the token it is fed), num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
+    "dflash": "dflash, a DFlash draft built on the target (fixtures.hf.export_dflash_head: each "
+    "masked slot of the block drafts the target's favourite after the block's first token), "
+    f"num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
 NOT_RUNNABLE = (
     (
@@ -149,7 +152,7 @@ def speculative_config(
     method: str, draft: Path, eagle_head: Path | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
-    the head folder eagle needs (`fixtures.hf.export_eagle_head`)."""
+    the head folder eagle or dflash needs (`head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
         return None
@@ -168,6 +171,12 @@ def speculative_config(
         if eagle_head is None:
             raise DistError("vllm eagle needs an EAGLE head folder (fixtures.hf.export_eagle_head)")
         return {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": n}
+    if method == "dflash":
+        if eagle_head is None:
+            raise DistError(
+                "vllm dflash needs a DFlash draft folder (fixtures.hf.export_dflash_head)"
+            )
+        return {"method": "dflash", "model": str(eagle_head), "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
 
 
@@ -495,12 +504,15 @@ def exported(req: DistRequest) -> Iterator[Any]:
 
 
 def head(method: str, ex: HfExport) -> Path | None:
-    """The EAGLE head `method` needs, built into the export `ex`; None for the others."""
-    if method != "eagle":
-        return None
+    """The head `method` needs (eagle's EAGLE-1 head, dflash's DFlash draft), built into the
+    export `ex`; None for the others."""
     from specaudit.fixtures import hf
 
-    return hf.export_eagle_head(ex)
+    if method == "eagle":
+        return hf.export_eagle_head(ex)
+    if method == "dflash":
+        return hf.export_dflash_head(ex)
+    return None
 
 
 def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
