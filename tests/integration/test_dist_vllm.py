@@ -272,3 +272,19 @@ def test_rescore_sees_the_stock_ngram_server_sample_from_elsewhere(vllm_ngram: V
     assert r["engine"].startswith("vLLM 0.32.0 at http://127.0.0.1:") and r["drafted"] > 0
     assert r["verdict"] == "BROKEN", r["stats"]["reason"][:500]
     assert r["rescored"] == r["sampled_tokens"] > 0
+
+
+DFLASH_SEEDS = 200
+
+
+def test_a_dflash_draft_built_on_the_fixture_is_verified_by_the_fixed_sampler() -> None:
+    """vLLM's ``dflash`` method (a block [last token, <unk>, <unk>, <unk>] drafted in one
+    pass) with the DFlash draft specaudit builds on the exported target
+    (`fixtures.hf.export_dflash_head`: each masked slot drafts the target's favourite after the
+    block's first token), so vLLM's parallel drafting and its verification run on CPU: fixed,
+    not BROKEN, no forbidden token, and about one draft in six accepted (2676/452 at 400
+    seeds, INCONCLUSIVE: position 4's TV bound 0.185 over the 0.15 tolerance)."""
+    _, _, e = fixed_dist("dflash", "--top-k", "0", "--top-p", "0.8", "--seeds", str(DFLASH_SEEDS))
+    assert e["kind"] == "vllm-dflash-fixed" and e["n_samples"] == DFLASH_SEEDS
+    assert e["verdict"] != "BROKEN" and e["impossible"] == 0, e["reason"]
+    assert e["accepted"] > 0.1 * e["drafted"] > 0
