@@ -284,7 +284,8 @@ def test_a_dflash_draft_built_on_the_fixture_is_verified_by_the_fixed_sampler() 
     (`fixtures.hf.export_dflash_head`: each masked slot drafts the target's favourite after the
     block's first token), so vLLM's parallel drafting and its verification run on CPU: fixed,
     not BROKEN, no forbidden token, and about one draft in six accepted (2676/452 at 400
-    seeds, INCONCLUSIVE: position 4's TV bound 0.185 over the 0.15 tolerance)."""
+    seeds, INCONCLUSIVE: position 4's TV bound 0.185 over the 0.15 tolerance); stock, BROKEN
+    (197 forbidden tokens in 200 seeds, 1557 drafted, 117 accepted, docs/vllm.md)."""
     _, _, e = fixed_dist("dflash", "--top-k", "0", "--top-p", "0.8", "--seeds", str(DFLASH_SEEDS))
     assert e["kind"] == "vllm-dflash-fixed" and e["n_samples"] == DFLASH_SEEDS
     assert e["verdict"] != "BROKEN" and e["impossible"] == 0, e["reason"]
