@@ -60,7 +60,7 @@ from specaudit.vllm.request import completions_body
 if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
     from specaudit.fixtures.hf import HfExport
 
-METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "dflash")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "dflash")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -73,16 +73,15 @@ METHOD_HELP = {
     "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf.export_eagle_head: it "
     f"drafts the target's favourite after the token it is fed), num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
+    "eagle3": "eagle3, an EAGLE3 head built on the target (fixtures.hf.export_eagle3_head: aux "
+    "states of target layers 0 and 1, its own lm_head over a draft vocabulary of the letters; "
+    "it drafts the target's favourite two tokens after the position it is handed), "
+    f"num_speculative_tokens={SPECULATIVE_TOKENS}",
     "dflash": "dflash, a DFlash draft built on the target (fixtures.hf.export_dflash_head: each "
     "masked slot of the block drafts the target's favourite after the block's first token), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
 NOT_RUNNABLE = (
-    (
-        "vllm eagle3",
-        "vLLM's EAGLE3 llama head reads the hidden states of three target layers; the fixture "
-        "has one (a head with eagle_aux_hidden_state_layer_ids [0, 0, 0] is not built yet)",
-    ),
     ("vllm mtp", "needs a model with multi-token-prediction layers; a llama has none"),
     ("vllm medusa, mlp_speculator", "need trained speculator heads"),
 )
@@ -152,7 +151,7 @@ def speculative_config(
     method: str, draft: Path, eagle_head: Path | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
-    the head folder eagle or dflash needs (`head`)."""
+    the head folder eagle, eagle3 or dflash needs (`head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
         return None
@@ -167,16 +166,10 @@ def speculative_config(
         return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": n}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": n}
-    if method == "eagle":
+    if method in ("eagle", "eagle3", "dflash"):
         if eagle_head is None:
-            raise DistError("vllm eagle needs an EAGLE head folder (fixtures.hf.export_eagle_head)")
-        return {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": n}
-    if method == "dflash":
-        if eagle_head is None:
-            raise DistError(
-                "vllm dflash needs a DFlash draft folder (fixtures.hf.export_dflash_head)"
-            )
-        return {"method": "dflash", "model": str(eagle_head), "num_speculative_tokens": n}
+            raise DistError(f"vllm {method} needs a head folder (fixtures.hf.export_{method}_head)")
+        return {"method": method, "model": str(eagle_head), "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
 
 
@@ -504,15 +497,16 @@ def exported(req: DistRequest) -> Iterator[Any]:
 
 
 def head(method: str, ex: HfExport) -> Path | None:
-    """The head `method` needs (eagle's EAGLE-1 head, dflash's DFlash draft), built into the
-    export `ex`; None for the others."""
+    """The head `method` needs (eagle, eagle3, dflash), built into the export `ex`; None for
+    the others."""
     from specaudit.fixtures import hf
 
-    if method == "eagle":
-        return hf.export_eagle_head(ex)
-    if method == "dflash":
-        return hf.export_dflash_head(ex)
-    return None
+    builders = {
+        "eagle": hf.export_eagle_head,
+        "eagle3": hf.export_eagle3_head,
+        "dflash": hf.export_dflash_head,
+    }
+    return builders[method](ex) if method in builders else None
 
 
 def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
