@@ -283,3 +283,66 @@ def test_the_eagle_head_drafts_the_targets_favourite_after_the_token_it_is_fed(
         p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
         assert np.abs(p - np.array(list(want.values()))).max() < 1e-5
     assert json.loads((folder / "config.json").read_text())["hidden_size"] == h
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x) + eps) * w
+
+
+def test_the_mtp_target_is_the_llama_and_its_mtp_layer_drafts_its_favourite_after_the_fed_token(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """The MTP target (`export_mtp_target`): a MiMo checkpoint whose Qwen2 main model, loaded
+    by plain transformers, gives the closed form's probabilities, at a hidden size whose
+    ``hidden / heads`` is the export's head size (vLLM's Qwen2 ignores ``head_dim``); and an
+    MTP layer which, computed here in float64 as vLLM's ``MiMoMultiTokenPredictorLayer`` does
+    (token and hidden norms, input_proj on their concatenation, the decoder block, the final
+    norm, the shared lm_head), gives for each letter the closed form after the prompt and that
+    letter, whatever the target's hidden state."""
+    import torch
+    from safetensors.numpy import load_file
+
+    ex = exports[("last-token", 32)]
+    spec = ex.spec
+    folder = hf.export_mtp_target(ex)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == ex.head_size == cfg["head_dim"]
+    model = _model(folder)
+    for text in (spec.prompt, spec.prompt + "a", spec.prompt + "hb"):
+        with torch.no_grad():
+            z = model(torch.tensor([spec.tokenize(text)])).logits[0, -1].double().numpy()
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert (
+            np.abs(p - np.array(list(fixtures.raw_distribution(spec, text).values()))).max() < 1e-5
+        )
+    params = {
+        k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
+    pre = "model.mtp_layers.0."
+    block = [k for k in params if k.startswith(pre) and ("_proj" in k and "input_proj" not in k)]
+    assert len(block) == 10 and not any(params[k].any() for k in block)  # the residual passes
+    eps, h = cfg["rms_norm_eps"], cfg["hidden_size"]
+    rng = np.random.default_rng(0)
+    for x, tok in enumerate(spec.tokens):
+        if tok not in spec.letters:
+            continue
+        prev = rng.normal(size=h) * 100  # the target's hidden state: any
+        t = _rms(
+            params["model.embed_tokens.weight"][x], params[pre + "token_layernorm.weight"], eps
+        )
+        g = _rms(prev, params[pre + "hidden_layernorm.weight"], eps)
+        u = params[pre + "input_proj.weight"] @ np.concatenate([g, t])
+        y = _rms(u, params[pre + "final_layernorm.weight"], eps)  # + a zero block
+        z = params["lm_head.weight"] @ y
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        want = fixtures.raw_distribution(spec, spec.prompt + tok)
+        assert np.abs(p - np.array(list(want.values()))).max() < 1e-5, tok
+
+
+def test_the_mtp_target_is_refused_where_widening_the_hidden_size_moves_the_attention(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    ex = exports[("context", None)]
+    with pytest.raises(fixtures.FixtureError, match="all-zero attention"):
+        hf.export_mtp_target(ex)
