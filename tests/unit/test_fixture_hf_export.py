@@ -340,9 +340,38 @@ def test_the_mtp_target_is_the_llama_and_its_mtp_layer_drafts_its_favourite_afte
         assert np.abs(p - np.array(list(want.values()))).max() < 1e-5, tok
 
 
-def test_the_mtp_target_is_refused_where_widening_the_hidden_size_moves_the_attention(
+def test_the_mtp_target_of_the_context_fixture_is_its_llama_too(
     exports: dict[tuple[str, int | None], hf.HfExport],
 ) -> None:
+    """The context fixture (one head of 64, hidden 64: nothing to widen, its attention kept):
+    the export proves the main model bitwise against the llama's and checks each letter's
+    draft, or raises."""
     ex = exports[("context", None)]
-    with pytest.raises(fixtures.FixtureError, match="all-zero attention"):
-        hf.export_mtp_target(ex)
+    cfg = json.loads((hf.export_mtp_target(ex) / "config.json").read_text())
+    assert cfg["hidden_size"] == 64 == ex.head_size and cfg["rms_norm_eps"] == pytest.approx(1e-5)
+
+
+def test_the_mtp_target_is_refused_where_no_widened_hidden_size_gives_the_head_size() -> None:
+    spec = fixtures.default_spec()  # hidden 16, two heads: 16 * 4^k is never 2 * 64
+    assert hf.mtp_widening(spec, hf.plan_head(spec, 32)) == 4
+    with pytest.raises(fixtures.FixtureError, match="no hidden size n_embd"):
+        hf.mtp_widening(spec, hf.plan_head(spec, 64))
+
+
+def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
+    exports: dict[tuple[str, int | None], hf.HfExport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export's per-letter check fires: an ``input_proj`` whose letter columns are rolled
+    by one (fed 'a', it reproduces the hidden state after 'h') is not written."""
+    real = hf.mtp_layer_params
+
+    def rolled(*args: Any) -> dict[str, np.ndarray]:
+        out = real(*args)
+        w = out["model.mtp_layers.0.input_proj.weight"]
+        h = w.shape[0]
+        w[:, h : h + 8] = np.roll(w[:, h : h + 8], 1, axis=1)
+        return out
+
+    monkeypatch.setattr(hf, "mtp_layer_params", rolled)
+    with pytest.raises(fixtures.FixtureError, match="MTP layer fed 'a' does not give"):
+        hf.export_mtp_target(exports[("last-token", 32)])
