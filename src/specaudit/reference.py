@@ -346,8 +346,24 @@ class PrefixQuestions:
     most short continuations); at most `concurrency` requests are in flight. Subclasses speak
     a server's API in `_ask` (`Reference`: llama-server; `vllm.reference.VllmReference`)."""
 
-    def __init__(self, client: AsyncClient, concurrency: int) -> None:
-        self._client = client
+    def __init__(
+        self,
+        url: str,
+        sampler: SamplerSettings,
+        *,
+        timeout: float,
+        concurrency: int,
+        raw_probs: int,
+        extra_connections: int = 0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.sampler = sampler
+        self.raw_probs = raw_probs
+        self.n_vocab: int | None = None  # the served model's vocabulary, once prepared
+        self.requests = 0
+        self._client = AsyncClient(
+            self.url, timeout=timeout, max_connections=concurrency + extra_connections
+        )
         self._sem = asyncio.Semaphore(concurrency)
         self._cache: dict[tuple[int, ...], NextToken] = {}
         self._asking: dict[tuple[int, ...], asyncio.Future[NextToken]] = {}
@@ -400,14 +416,9 @@ class Reference(PrefixQuestions):
         concurrency: int = 4,
         raw_probs: int = 0,
     ) -> None:
-        self.url = url.rstrip("/")
         super().__init__(
-            AsyncClient(self.url, timeout=timeout, max_connections=concurrency), concurrency
+            url, sampler, timeout=timeout, concurrency=concurrency, raw_probs=raw_probs
         )
-        self.sampler = sampler
-        self.raw_probs = raw_probs
-        self.n_vocab: int | None = None  # the served model's vocabulary, once prepared
-        self.requests = 0
 
     async def prepare(self) -> ModelIdentity:
         """Refuse a reference that speculates or is not a llama-server; size the requests to

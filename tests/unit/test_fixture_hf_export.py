@@ -285,6 +285,48 @@ def test_the_eagle_head_drafts_the_targets_favourite_after_the_token_it_is_fed(
     assert json.loads((folder / "config.json").read_text())["hidden_size"] == h
 
 
+def test_the_eagle3_head_drafts_the_targets_favourite_two_tokens_ahead(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """vLLM's EAGLE3 llama head: two aux states (target layers 0 and 1), fc keeps the first
+    (the embedding of the token at the position handed over), a zero ``midlayer``, its own
+    norm and lm_head over the letters, ``d2t`` onto the target's ids. Its logits for the
+    embedding of x are the log two-step distribution after x, here recomputed as the square
+    of the last-token fixture's transition matrix (one row per letter); its argmax is what
+    the float32 weights draft."""
+    from safetensors.numpy import load_file
+
+    ex = exports[("last-token", 32)]
+    folder = hf.export_eagle3_head(ex)
+    params = load_file(str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    spec = ex.spec
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    assert cfg["draft_vocab_size"] == len(spec.letters) < spec.n_vocab
+    h = spec.config.n_embd
+    fc = params["fc.weight"]
+    assert fc.shape == (h, 2 * h) and np.array_equal(fc[:, :h], np.eye(h)) and not fc[:, h:].any()
+    layer = {k: v for k, v in params.items() if k.startswith("midlayer.") and "norm" not in k}
+    assert layer and not any(v.any() for v in layer.values())
+    ids = [spec.tokens.index(x) for x in spec.letters]
+    assert [k + int(d) for k, d in enumerate(params["d2t"])] == ids
+    step = np.array([[fixtures.raw_distribution(spec, spec.prompt + x)[y] for y in spec.letters]
+                     for x in spec.letters])  # fmt: skip
+    two = step @ step  # the letters' own rows: specials are never reached on this fixture
+    emb = _model(ex.target).model.embed_tokens.weight.detach().numpy()  # what vLLM hands fc
+    for r, x in enumerate(spec.letters):
+        e = emb[spec.tokens.index(x)].astype(np.float64)
+        hidden = e / np.sqrt(np.mean(e * e) + spec.config.rms_eps) * params["norm.weight"]
+        z = params["lm_head.weight"].astype(np.float64) @ hidden
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert np.abs(p - two[r]).max() < 1e-5
+        assert spec.letters[int(np.argmax(z))] == spec.letters[int(np.argmax(two[r]))]
+    want = {x: spec.letters[int(np.argmax(two[r]))] for r, x in enumerate(spec.letters)}
+    assert hf.eagle3_drafts(spec, hf.eagle3_head_params(spec, hf.plan_head(spec, 32))) == want
+    assert len(set(want.values())) > 1  # the draft depends on the token
+
+
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x) + eps) * w
 

@@ -202,6 +202,24 @@ def test_greedy_counts_follow_the_servers_draft_schedule() -> None:
         mtp_greedy_draft(fx.default_spec(), "c", "f", 1)
 
 
+def test_greedy_counts_on_vllms_schedule_draft_in_full_to_the_end() -> None:
+    """vLLM drafts ``n_max`` tokens every round however few remain; a draft past the last
+    generated token is never counted as accepted. Drafter: always "a"."""
+
+    def always_a(_spec: fx.FixtureSpec, _prev: str, _last: str, n: int) -> str:
+        return "a" * n
+
+    def counts(generated: str) -> tuple[int, int]:
+        return fx.mtp_greedy_counts(SPEC, SPEC.prompt, generated, 3, always_a, capped=False)
+
+    assert counts("fg") == (3, 0)  # llama-server's schedule drafts nothing here
+    assert counts("fa") == (3, 1)
+    assert counts("faaaa") == (3, 3)  # three accepted, the fourth "a" is the target's own
+    assert counts("faaaab") == (6, 3)  # then a round before "b": drafted, none accepted
+    # llama-server: the last token is decoded alone, without a draft
+    assert fx.mtp_greedy_counts(SPEC, SPEC.prompt, "faaaab", 3, always_a) == (3, 3)
+
+
 def test_greedy_drafts_chain_the_heads_own_hidden_state() -> None:
     """The second draft step is fed the first draft with the head's own h_nextn (not the
     target's hidden state of the token fed): it differs from a first step after the same

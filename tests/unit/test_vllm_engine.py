@@ -90,9 +90,10 @@ def test_speculative_configs_name_vllms_methods() -> None:
         assert cfg is not None and cfg["method"] == method
         assert cfg["num_speculative_tokens"] == dv.SPECULATIVE_TOKENS
     assert dv.speculative_config("draft_model", draft)["model"] == "/d"  # type: ignore[index]
-    assert dv.speculative_config("eagle", draft, Path("/e"))["model"] == "/e"  # type: ignore[index]
-    with pytest.raises(distribution.DistError, match="needs an EAGLE head"):
-        dv.speculative_config("eagle", draft)
+    for method in ("eagle", "eagle3"):
+        assert dv.speculative_config(method, draft, Path("/e"))["model"] == "/e"  # type: ignore[index]
+        with pytest.raises(distribution.DistError, match=f"{method} needs a head folder"):
+            dv.speculative_config(method, draft)
 
 
 METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.

@@ -60,7 +60,7 @@ from specaudit.vllm.request import completions_body
 if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
     from specaudit.fixtures.hf import HfExport
 
-METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "mtp")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -73,18 +73,15 @@ METHOD_HELP = {
     "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf.export_eagle_head: it "
     f"drafts the target's favourite after the token it is fed), num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
+    "eagle3": "eagle3, an EAGLE3 head built on the target (fixtures.hf.export_eagle3_head: aux "
+    "states of target layers 0 and 1, its own lm_head over a draft vocabulary of the letters; "
+    "it drafts the target's favourite two tokens after the position it is handed), "
+    f"num_speculative_tokens={SPECULATIVE_TOKENS}",
     "mtp": "mtp, the target exported as a MiMo (Qwen2) whose main model is the llama and whose "
     "one MTP layer drafts the target's favourite after the token it is fed "
     f"(fixtures.hf.export_mtp_target), num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
-NOT_RUNNABLE = (
-    (
-        "vllm eagle3",
-        "vLLM's EAGLE3 llama head reads the hidden states of three target layers; the fixture "
-        "has one (a head with eagle_aux_hidden_state_layer_ids [0, 0, 0] is not built yet)",
-    ),
-    ("vllm medusa, mlp_speculator", "need trained speculator heads"),
-)
+NOT_RUNNABLE = (("vllm medusa, mlp_speculator", "need trained speculator heads"),)
 # seconds a server may take to get healthy: a ceiling, not a wait (2-6.5 min measured here
 # with other work running, load 14-21; the server's own default is 300)
 STARTUP_TIMEOUT = 900.0
@@ -151,7 +148,7 @@ def speculative_config(
     method: str, draft: Path, eagle_head: Path | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
-    the head folder eagle needs (`fixtures.hf.export_eagle_head`)."""
+    the head folder eagle or eagle3 needs (`head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
         return None
@@ -166,10 +163,10 @@ def speculative_config(
         return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": n}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": n}
-    if method == "eagle":
+    if method in ("eagle", "eagle3"):
         if eagle_head is None:
-            raise DistError("vllm eagle needs an EAGLE head folder (fixtures.hf.export_eagle_head)")
-        return {"method": "eagle", "model": str(eagle_head), "num_speculative_tokens": n}
+            raise DistError(f"vllm {method} needs a head folder (fixtures.hf.export_{method}_head)")
+        return {"method": method, "model": str(eagle_head), "num_speculative_tokens": n}
     if method == "mtp":  # the MTP layers are the served target's own
         return {"method": "mtp", "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
@@ -499,12 +496,12 @@ def exported(req: DistRequest) -> Iterator[Any]:
 
 
 def head(method: str, ex: HfExport) -> Path | None:
-    """The EAGLE head `method` needs, built into the export `ex`; None for the others."""
-    if method != "eagle":
-        return None
+    """The head `method` needs (eagle, eagle3), built into the export `ex`; None for the
+    others."""
     from specaudit.fixtures import hf
 
-    return hf.export_eagle_head(ex)
+    builders = {"eagle": hf.export_eagle_head, "eagle3": hf.export_eagle3_head}
+    return builders[method](ex) if method in builders else None
 
 
 def target(method: str, ex: HfExport) -> Path:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit import speculation
-from specaudit.client import AsyncClient, ClientError
+from specaudit.client import ClientError
 from specaudit.fixtures import SamplerSettings
 from specaudit.reference import (
     COVERAGE,
@@ -100,14 +100,11 @@ class VllmReference(PrefixQuestions):
         raw_probs: int = 0,
         model: str | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
-        client = AsyncClient(self.url, timeout=timeout, max_connections=concurrency + COPIES)
-        super().__init__(client, concurrency)
-        self.sampler = sampler
-        self.raw_probs = raw_probs
+        super().__init__(
+            url, sampler, timeout=timeout, concurrency=concurrency, raw_probs=raw_probs,
+            extra_connections=COPIES,
+        )  # fmt: skip
         self.model = model
-        self.n_vocab: int | None = None
-        self.requests = 0
 
     async def prepare(self) -> ModelIdentity:
         """Refuse a server that is not vLLM, serves several models, speculates, cannot return
