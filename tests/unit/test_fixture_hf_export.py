@@ -414,3 +414,91 @@ def test_the_dflash_draft_drafts_the_targets_favourite_after_the_blocks_first_to
             z = dflash_block_logits(params, cfg, aux, block)[1:]
             assert np.abs(z - want).max() < 1e-5, (tok, n)
             assert {spec.tokens[i] for i in z.argmax(axis=1)} == {best}, (tok, n)
+
+
+def test_the_mtp_target_is_the_llama_and_its_mtp_layer_drafts_its_favourite_after_the_fed_token(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """The MTP target (`export_mtp_target`): a MiMo checkpoint whose Qwen2 main model, loaded
+    by plain transformers, gives the closed form's probabilities, at a hidden size whose
+    ``hidden / heads`` is the export's head size (vLLM's Qwen2 ignores ``head_dim``); and an
+    MTP layer which, computed here in float64 as vLLM's ``MiMoMultiTokenPredictorLayer`` does
+    (token and hidden norms, input_proj on their concatenation, the decoder block, the final
+    norm, the shared lm_head), gives for each letter the closed form after the prompt and that
+    letter, whatever the target's hidden state."""
+    import torch
+    from safetensors.numpy import load_file
+
+    ex = exports[("last-token", 32)]
+    spec = ex.spec
+    folder = hf.export_mtp_target(ex)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == ex.head_size == cfg["head_dim"]
+    model = _model(folder)
+    for text in (spec.prompt, spec.prompt + "a", spec.prompt + "hb"):
+        with torch.no_grad():
+            z = model(torch.tensor([spec.tokenize(text)])).logits[0, -1].double().numpy()
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        assert (
+            np.abs(p - np.array(list(fixtures.raw_distribution(spec, text).values()))).max() < 1e-5
+        )
+    params = {
+        k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
+    pre = "model.mtp_layers.0."
+    block = [k for k in params if k.startswith(pre) and ("_proj" in k and "input_proj" not in k)]
+    assert len(block) == 10 and not any(params[k].any() for k in block)  # the residual passes
+    eps, h = cfg["rms_norm_eps"], cfg["hidden_size"]
+    rng = np.random.default_rng(0)
+    for x, tok in enumerate(spec.tokens):
+        if tok not in spec.letters:
+            continue
+        prev = rng.normal(size=h) * 100  # the target's hidden state: any
+        t = _rms(
+            params["model.embed_tokens.weight"][x], params[pre + "token_layernorm.weight"], eps
+        )
+        g = _rms(prev, params[pre + "hidden_layernorm.weight"], eps)
+        u = params[pre + "input_proj.weight"] @ np.concatenate([g, t])
+        y = _rms(u, params[pre + "final_layernorm.weight"], eps)  # + a zero block
+        z = params["lm_head.weight"] @ y
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        want = fixtures.raw_distribution(spec, spec.prompt + tok)
+        assert np.abs(p - np.array(list(want.values()))).max() < 1e-5, tok
+
+
+def test_the_mtp_target_of_the_context_fixture_is_its_llama_too(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """The context fixture (one head of 64, hidden 64: nothing to widen, its attention kept):
+    the export proves the main model bitwise against the llama's and checks each letter's
+    draft, or raises."""
+    ex = exports[("context", None)]
+    cfg = json.loads((hf.export_mtp_target(ex) / "config.json").read_text())
+    assert cfg["hidden_size"] == 64 == ex.head_size and cfg["rms_norm_eps"] == pytest.approx(1e-5)
+
+
+def test_the_mtp_target_is_refused_where_no_widened_hidden_size_gives_the_head_size() -> None:
+    spec = fixtures.default_spec()  # hidden 16, two heads: 16 * 4^k is never 2 * 64
+    assert hf.mtp_widening(spec, hf.plan_head(spec, 32)) == 4
+    with pytest.raises(fixtures.FixtureError, match="no hidden size n_embd"):
+        hf.mtp_widening(spec, hf.plan_head(spec, 64))
+
+
+def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
+    exports: dict[tuple[str, int | None], hf.HfExport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export's per-letter check fires: an ``input_proj`` whose letter columns are rolled
+    by one (fed 'a', it reproduces the hidden state after 'h') is not written."""
+    real = hf.mtp_layer_params
+
+    def rolled(*args: Any) -> dict[str, np.ndarray]:
+        out = real(*args)
+        w = out["model.mtp_layers.0.input_proj.weight"]
+        h = w.shape[0]
+        w[:, h : h + 8] = np.roll(w[:, h : h + 8], 1, axis=1)
+        return out
+
+    monkeypatch.setattr(hf, "mtp_layer_params", rolled)
+    with pytest.raises(fixtures.FixtureError, match="MTP layer fed 'a' does not give"):
+        hf.export_mtp_target(exports[("last-token", 32)])

@@ -60,7 +60,7 @@ from specaudit.vllm.request import completions_body
 if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
     from specaudit.fixtures.hf import HfExport
 
-METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "dflash")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp", "dflash")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -77,14 +77,14 @@ METHOD_HELP = {
     "states of target layers 0 and 1, its own lm_head over a draft vocabulary of the letters; "
     "it drafts the target's favourite two tokens after the position it is handed), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
+    "mtp": "mtp, the target exported as a MiMo (Qwen2) whose main model is the llama and whose "
+    "one MTP layer drafts the target's favourite after the token it is fed "
+    f"(fixtures.hf.export_mtp_target), num_speculative_tokens={SPECULATIVE_TOKENS}",
     "dflash": "dflash, a DFlash draft built on the target (fixtures.hf.export_dflash_head: each "
     "masked slot of the block drafts the target's favourite after the block's first token), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
-NOT_RUNNABLE = (
-    ("vllm mtp", "needs a model with multi-token-prediction layers; a llama has none"),
-    ("vllm medusa, mlp_speculator", "need trained speculator heads"),
-)
+NOT_RUNNABLE = (("vllm medusa, mlp_speculator", "need trained speculator heads"),)
 # seconds a server may take to get healthy: a ceiling, not a wait (2-6.5 min measured here
 # with other work running, load 14-21; the server's own default is 300)
 STARTUP_TIMEOUT = 900.0
@@ -170,6 +170,8 @@ def speculative_config(
         if eagle_head is None:
             raise DistError(f"vllm {method} needs a head folder (fixtures.hf.export_{method}_head)")
         return {"method": method, "model": str(eagle_head), "num_speculative_tokens": n}
+    if method == "mtp":  # the MTP layers are the served target's own
+        return {"method": "mtp", "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
 
 
@@ -509,6 +511,16 @@ def head(method: str, ex: HfExport) -> Path | None:
     return builders[method](ex) if method in builders else None
 
 
+def target(method: str, ex: HfExport) -> Path:
+    """The folder the server of `method` serves: the exported llama, or for mtp the same
+    target exported with an MTP layer (`fixtures.hf.export_mtp_target`)."""
+    if method != "mtp":
+        return ex.target
+    from specaudit.fixtures import hf
+
+    return hf.export_mtp_target(ex)
+
+
 def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
     """What every `VllmServer` of the engine is started with: logprobs of the whole
     vocabulary (the truth check), the fixture's context, no torch.compile warm-up."""
@@ -552,8 +564,18 @@ def _started(
             name = f"{method}-fixed" if fixes else method
             where = setting(f"{fam} {method}", wl.sampler)
             log = (req.work_dir / f"vllm-{name}.log") if req.work_dir else None
+            served = target(method, ex)
+            if served != ex.target:
+                from specaudit.fixtures.hf import WIDEN_TOLERANCE
+
+                same = "bitwise equal to" if ex.bitwise else f"within {WIDEN_TOLERANCE:g} of"
+                ctx.notes.append(
+                    f"vLLM {method} serves the target exported with an MTP layer ({served.name}/, "
+                    f"fixtures.hf.export_mtp_target): logits {same} the llama export's on "
+                    f"{ex.prefixes} contexts (transformers)"
+                )
             srv = VllmServer(
-                env, ex.target, speculative=speculative_config(method, ex.draft, head(method, ex)),
+                env, served, speculative=speculative_config(method, ex.draft, head(method, ex)),
                 log_path=log, fixes=fixes, logprobs_mode=lp_mode, **server_args(spec),
             )  # fmt: skip
             try:
@@ -562,7 +584,7 @@ def _started(
                 srv.stop(keep_log=True)
                 raise DistError(f"{where}: {one_line(e)}") from None
             try:
-                model = str(ex.target)
+                model = str(served)
                 truth = measure_truth(srv.url, model, spec, wl, name, engine=fam)
                 ctx.notes.append(truth.require().line())
                 ctx.notes.append(

@@ -49,10 +49,12 @@ SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("n
 # a minute or more, and the context fixture adds nothing to a sampler shared with n-gram)
 SUFFIX_SERVERS: tuple[tuple[str, bool], ...] = (("suffix", False), ("suffix", True))
 # EAGLE-1 and EAGLE3 draft from heads built on the exported target
-# (`fixtures.hf.export_eagle_head`, `export_eagle3_head`); last-token fixture alone, as suffix
-# (same sampler, a minute or more per start)
+# (`fixtures.hf.export_eagle_head`, `export_eagle3_head`), MTP from the layer of the target
+# exported as a MiMo (`export_mtp_target`); last-token fixture alone, as suffix (same
+# sampler, a minute or more per start)
 EAGLE_SERVERS: tuple[tuple[str, bool], ...] = (
     ("eagle", False), ("eagle", True), ("eagle3", False), ("eagle3", True),
+    ("mtp", False), ("mtp", True),
 )  # fmt: skip
 # seeds of each fixture run (fixed N: at 1000 the fixed server certifies dist's 0.15
 # tolerance at both settings; the stock server's forbidden tokens come within a few dozen)
@@ -189,7 +191,8 @@ def run_fixtures(
             ctx.progress(f"vllm: {name} on {fs.spec.name}")
             spec_cfg = dv.speculative_config(method, ex.draft, dv.head(method, ex))
             key = f"{fs.spec.kind}-{method}{'-fixed' if fixed else ''}"
-            with _server(ctx, ex.target, spec_cfg, fixed, key, **dv.server_args(fs.spec)) as srv:
+            served = dv.target(method, ex)
+            with _server(ctx, served, spec_cfg, fixed, key, **dv.server_args(fs.spec)) as srv:
                 rows, notes = fixture_rows(fs, name, srv.url, srv.log_path, seeds=seeds)
             report.rows += rows
             report.notes += notes
