@@ -250,7 +250,7 @@ EAGLE_SEEDS = 200
 
 def test_an_eagle_head_built_on_the_fixture_is_verified_by_the_fixed_sampler() -> None:
     """vLLM's ``eagle`` method with the EAGLE-1 head specaudit builds on the exported target
-    (`fixtures.hf.export_eagle_head`: it drafts the target's favourite after the token it is
+    (`fixtures.hf_heads.export_eagle_head`: it drafts the target's favourite after the token it is
     fed), so EAGLE's verification path runs and accepts often: fixed, not BROKEN and about
     three drafts in ten accepted (2403/726 at 400 seeds); stock, BROKEN (141 of 200 seeds
     sampled a forbidden token, 8 of 1782 accepted, docs/vllm.md)."""
@@ -279,9 +279,10 @@ MTP_SEEDS = 200
 
 
 def test_mtp_on_the_target_exported_with_an_mtp_layer_is_verified_by_the_fixed_sampler() -> None:
-    """vLLM's ``mtp`` method on the target exported as a MiMo (`fixtures.hf.export_mtp_target`:
-    its Qwen2 main model the llama, zero-padded; its one MTP layer drafts the target's
-    favourite after the token it is fed), so vLLM's MTP proposer and its verification run:
+    """vLLM's ``mtp`` method on the target exported as a MiMo
+    (`fixtures.hf_heads.export_mtp_target`: its Qwen2 main model the llama, zero-padded; its
+    one MTP layer drafts the target's favourite after the token it is fed), so vLLM's MTP
+    proposer and its verification run:
     fixed, not BROKEN and about three drafts in ten accepted (1170/350 at 200 seeds); stock,
     BROKEN (143 of 200 seeds sampled a forbidden token, 0 of 1800 accepted, docs/vllm.md)."""
     _, result, e = fixed_dist("mtp", "--top-k", "0", "--top-p", "0.8", "--seeds", str(MTP_SEEDS))
@@ -298,9 +299,9 @@ DFLASH_SEEDS = 200
 def test_a_dflash_draft_built_on_the_fixture_is_verified_by_the_fixed_sampler() -> None:
     """vLLM's ``dflash`` method (a block [last token, <unk>, <unk>, <unk>] drafted in one
     pass) with the DFlash draft specaudit builds on the exported target
-    (`fixtures.hf.export_dflash_head`: each masked slot drafts the target's favourite after the
-    block's first token), so vLLM's parallel drafting and its verification run on CPU: fixed,
-    not BROKEN, no forbidden token, and about one draft in six accepted (2676/452 at 400
+    (`fixtures.hf_heads.export_dflash_head`: each masked slot drafts the target's favourite
+    after the block's first token), so vLLM's parallel drafting and its verification run on
+    CPU: fixed, not BROKEN, no forbidden token, and about one draft in six accepted (2676/452 at 400
     seeds, INCONCLUSIVE: position 4's TV bound 0.185 over the 0.15 tolerance); stock, BROKEN
     (197 forbidden tokens in 200 seeds, 1557 drafted, 117 accepted, docs/vllm.md)."""
     _, _, e = fixed_dist("dflash", "--top-k", "0", "--top-p", "0.8", "--seeds", str(DFLASH_SEEDS))
@@ -315,7 +316,7 @@ DFLASH_COUNT_SEEDS = range(1, 101)
 def test_every_vllm_dflash_request_drafts_and_accepts_what_the_built_draft_gives(
     vllm_env: VllmEnv, vllm_export: HfExport, tmp_path: Path
 ) -> None:
-    """On the server, the DFlash draft proposes what `fixtures.hf.dflash_head_params` says
+    """On the server, the DFlash draft proposes what `fixtures.hf_heads.dflash_head_params` says
     (in every mask slot the target's favourite after the block's first token), not merely
     something accepted: per request, /metrics' drafted and accepted deltas equal the counts
     of those greedy drafts on its sample under vLLM's schedule (`fixtures.mtp_greedy_counts`,
@@ -323,7 +324,7 @@ def test_every_vllm_dflash_request_drafts_and_accepts_what_the_built_draft_gives
     measured by hand: 132 drafted, 23 accepted over 20 requests, all as predicted."""
     from specaudit import distribution, fixtures
     from specaudit.distribution import vllm as dv
-    from specaudit.fixtures import hf
+    from specaudit.fixtures import hf_heads
     from specaudit.vllm.fixes import resolve
     from specaudit.vllm.server import VllmServer
 
@@ -342,7 +343,7 @@ def test_every_vllm_dflash_request_drafts_and_accepts_what_the_built_draft_gives
     )
     with VllmServer(
         vllm_env, ex.target, speculative=dv.speculative_config("dflash", ex.draft,
-        hf.export_dflash_head(ex)), log_path=tmp_path / "vllm.log",
+        hf_heads.export_dflash_head(ex)), log_path=tmp_path / "vllm.log",
         fixes=resolve(("cpu-sampler",)), **dv.server_args(spec),
     ) as srv:  # fmt: skip
         eng = dv.VllmEngine(srv.url, str(ex.target), spec, wl, "dflash-fixed", family="vLLM")

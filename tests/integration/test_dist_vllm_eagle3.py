@@ -1,5 +1,5 @@
 """vLLM's ``eagle3`` method for real, on the default fixture exported for vLLM and an EAGLE3
-head specaudit builds on it (`fixtures.hf.export_eagle3_head`): the aux hidden states of two
+head specaudit builds on it (`fixtures.hf_heads.export_eagle3_head`): the aux hidden states of two
 target layers, ``fc``, the head's own norm and lm_head over a draft vocabulary mapped by
 ``d2t``. The head's drafts are known in closed form (the target's favourite two tokens after
 the position vLLM hands it, repeated), so every request's drafted and accepted counts (from
@@ -17,7 +17,7 @@ import pytest
 
 from specaudit import distribution, fixtures
 from specaudit.distribution import vllm as dv
-from specaudit.fixtures import hf
+from specaudit.fixtures import hf_heads
 from specaudit.stats import Verdict
 from specaudit.vllm.fixes import resolve
 
@@ -40,7 +40,7 @@ def eagle3_server(
 ) -> Iterator[VllmServer]:
     from specaudit.vllm.server import VllmServer
 
-    head = hf.export_eagle3_head(vllm_export)
+    head = hf_heads.export_eagle3_head(vllm_export)
     log = tmp_path_factory.mktemp("vllm-eagle3") / "vllm.log"
     ex = vllm_export
     with VllmServer(
@@ -63,7 +63,7 @@ def eagle3_samples(
 
 
 def _closed_form_counts(spec: fixtures.FixtureSpec, generated: str) -> tuple[int, int]:
-    favourite = {x: f for x, (f, _) in hf.two_step_favourites(spec).items()}
+    favourite = {x: f for x, (f, _) in hf_heads.two_step_favourites(spec).items()}
 
     def head(_spec: fixtures.FixtureSpec, prev: str, last: str, n: int) -> str:
         return favourite[prev[-1]] * n  # handed the state of the token before `last`

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from specaudit import fixtures
-from specaudit.fixtures import hf
+from specaudit.fixtures import hf, hf_heads
 
 CliFn = Callable[..., tuple[int, str, str]]
 T1 = fixtures.SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -261,7 +261,7 @@ def test_the_eagle_head_drafts_the_targets_favourite_after_the_token_it_is_fed(
     from safetensors.numpy import load_file
 
     ex = exports[("last-token", 32)]
-    folder = hf.export_eagle_head(ex)
+    folder = hf_heads.export_eagle_head(ex)
     params = load_file(str(folder / "model.safetensors"))
     spec = ex.spec
     assert "lm_head.weight" not in params and set(params) >= {"fc.weight", "embed_tokens.weight"}
@@ -297,7 +297,7 @@ def test_the_eagle3_head_drafts_the_targets_favourite_two_tokens_ahead(
     from safetensors.numpy import load_file
 
     ex = exports[("last-token", 32)]
-    folder = hf.export_eagle3_head(ex)
+    folder = hf_heads.export_eagle3_head(ex)
     params = load_file(str(folder / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
     spec = ex.spec
@@ -323,7 +323,10 @@ def test_the_eagle3_head_drafts_the_targets_favourite_two_tokens_ahead(
         assert np.abs(p - two[r]).max() < 1e-5
         assert spec.letters[int(np.argmax(z))] == spec.letters[int(np.argmax(two[r]))]
     want = {x: spec.letters[int(np.argmax(two[r]))] for r, x in enumerate(spec.letters)}
-    assert hf.eagle3_drafts(spec, hf.eagle3_head_params(spec, hf.plan_head(spec, 32))) == want
+    assert (
+        hf_heads.eagle3_drafts(spec, hf_heads.eagle3_head_params(spec, hf.plan_head(spec, 32)))
+        == want
+    )
     assert len(set(want.values())) > 1  # the draft depends on the token
 
 
@@ -394,7 +397,7 @@ def test_the_dflash_draft_drafts_the_targets_favourite_after_the_blocks_first_to
 
     ex = exports[(kind, head)]
     spec = ex.spec
-    folder = hf.export_dflash_head(ex)
+    folder = hf_heads.export_dflash_head(ex)
     params = load_file(str(folder / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["head_dim"] == ex.head_size
@@ -403,7 +406,7 @@ def test_the_dflash_draft_drafts_the_targets_favourite_after_the_blocks_first_to
     assert not np.array_equal(params["lm_head.weight"], target.lm_head.weight.detach().numpy())
     rng = np.random.default_rng(0)
     h = spec.config.n_embd
-    logits = hf.target_logits(ex).astype(np.float64)
+    logits = hf_heads.target_logits(ex).astype(np.float64)
     for tok in spec.letters:
         want = logits[spec.token_ids[tok]]
         truth = fixtures.raw_distribution(spec, spec.prompt + tok)
@@ -431,7 +434,7 @@ def test_the_mtp_target_is_the_llama_and_its_mtp_layer_drafts_its_favourite_afte
 
     ex = exports[("last-token", 32)]
     spec = ex.spec
-    folder = hf.export_mtp_target(ex)
+    folder = hf_heads.export_mtp_target(ex)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == ex.head_size == cfg["head_dim"]
@@ -474,15 +477,15 @@ def test_the_mtp_target_of_the_context_fixture_is_its_llama_too(
     the export proves the main model bitwise against the llama's and checks each letter's
     draft, or raises."""
     ex = exports[("context", None)]
-    cfg = json.loads((hf.export_mtp_target(ex) / "config.json").read_text())
+    cfg = json.loads((hf_heads.export_mtp_target(ex) / "config.json").read_text())
     assert cfg["hidden_size"] == 64 == ex.head_size and cfg["rms_norm_eps"] == pytest.approx(1e-5)
 
 
 def test_the_mtp_target_is_refused_where_no_widened_hidden_size_gives_the_head_size() -> None:
     spec = fixtures.default_spec()  # hidden 16, two heads: 16 * 4^k is never 2 * 64
-    assert hf.mtp_widening(spec, hf.plan_head(spec, 32)) == 4
+    assert hf_heads.mtp_widening(spec, hf.plan_head(spec, 32)) == 4
     with pytest.raises(fixtures.FixtureError, match="no hidden size n_embd"):
-        hf.mtp_widening(spec, hf.plan_head(spec, 64))
+        hf_heads.mtp_widening(spec, hf.plan_head(spec, 64))
 
 
 def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
@@ -490,7 +493,7 @@ def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
 ) -> None:
     """The export's per-letter check fires: an ``input_proj`` whose letter columns are rolled
     by one (fed 'a', it reproduces the hidden state after 'h') is not written."""
-    real = hf.mtp_layer_params
+    real = hf_heads.mtp_layer_params
 
     def rolled(*args: Any) -> dict[str, np.ndarray]:
         out = real(*args)
@@ -499,6 +502,6 @@ def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
         w[:, h : h + 8] = np.roll(w[:, h : h + 8], 1, axis=1)
         return out
 
-    monkeypatch.setattr(hf, "mtp_layer_params", rolled)
+    monkeypatch.setattr(hf_heads, "mtp_layer_params", rolled)
     with pytest.raises(fixtures.FixtureError, match="MTP layer fed 'a' does not give"):
-        hf.export_mtp_target(exports[("last-token", 32)])
+        hf_heads.export_mtp_target(exports[("last-token", 32)])

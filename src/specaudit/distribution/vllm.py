@@ -70,18 +70,20 @@ METHOD_HELP = {
     "draft_model": f"draft_model on the fixture's draft, num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
     "suffix": f"suffix (suffix trees of the context), num_speculative_tokens={SPECULATIVE_TOKENS}",
-    "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf.export_eagle_head: it "
+    "eagle": "eagle, an EAGLE-1 head built on the target (fixtures.hf_heads.export_eagle_head: it "
     f"drafts the target's favourite after the token it is fed), num_speculative_tokens="
     f"{SPECULATIVE_TOKENS}",
-    "eagle3": "eagle3, an EAGLE3 head built on the target (fixtures.hf.export_eagle3_head: aux "
-    "states of target layers 0 and 1, its own lm_head over a draft vocabulary of the letters; "
-    "it drafts the target's favourite two tokens after the position it is handed), "
+    "eagle3": "eagle3, an EAGLE3 head built on the target (fixtures.hf_heads."
+    "export_eagle3_head: aux states of target layers 0 and 1, its own lm_head over a draft "
+    "vocabulary of the letters; it drafts the target's favourite two tokens after the "
+    "position it is handed), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
     "mtp": "mtp, the target exported as a MiMo (Qwen2) whose main model is the llama and whose "
     "one MTP layer drafts the target's favourite after the token it is fed "
-    f"(fixtures.hf.export_mtp_target), num_speculative_tokens={SPECULATIVE_TOKENS}",
-    "dflash": "dflash, a DFlash draft built on the target (fixtures.hf.export_dflash_head: each "
-    "masked slot of the block drafts the target's favourite after the block's first token), "
+    f"(fixtures.hf_heads.export_mtp_target), num_speculative_tokens={SPECULATIVE_TOKENS}",
+    "dflash": "dflash, a DFlash draft built on the target (fixtures.hf_heads."
+    "export_dflash_head: each masked slot of the block drafts the target's favourite after "
+    "the block's first token), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
 NOT_RUNNABLE = (("vllm medusa, mlp_speculator", "need trained speculator heads"),)
@@ -499,26 +501,23 @@ def exported(req: DistRequest) -> Iterator[Any]:
 
 
 def head(method: str, ex: HfExport) -> Path | None:
-    """The head `method` needs (eagle, eagle3, dflash), built into the export `ex`; None for
-    the others."""
-    from specaudit.fixtures import hf
+    """The folder `method` loads beside the target (eagle, eagle3, dflash:
+    `fixtures.hf_heads.HEADS`), built into the export `ex`; None for the others."""
+    if method not in ("eagle", "eagle3", "dflash"):
+        return None
+    from specaudit.fixtures import hf_heads
 
-    builders = {
-        "eagle": hf.export_eagle_head,
-        "eagle3": hf.export_eagle3_head,
-        "dflash": hf.export_dflash_head,
-    }
-    return builders[method](ex) if method in builders else None
+    return hf_heads.HEADS[method](ex)
 
 
 def target(method: str, ex: HfExport) -> Path:
     """The folder the server of `method` serves: the exported llama, or for mtp the same
-    target exported with an MTP layer (`fixtures.hf.export_mtp_target`)."""
+    target exported with an MTP layer (`fixtures.hf_heads.export_mtp_target`)."""
     if method != "mtp":
         return ex.target
-    from specaudit.fixtures import hf
+    from specaudit.fixtures import hf_heads
 
-    return hf.export_mtp_target(ex)
+    return hf_heads.HEADS["mtp"](ex)
 
 
 def server_args(spec: fixtures.FixtureSpec) -> Mapping[str, Any]:
@@ -571,7 +570,7 @@ def _started(
                 same = "bitwise equal to" if ex.bitwise else f"within {WIDEN_TOLERANCE:g} of"
                 ctx.notes.append(
                     f"vLLM {method} serves the target exported with an MTP layer ({served.name}/, "
-                    f"fixtures.hf.export_mtp_target): logits {same} the llama export's on "
+                    f"fixtures.hf_heads.export_mtp_target): logits {same} the llama export's on "
                     f"{ex.prefixes} contexts (transformers)"
                 )
             srv = VllmServer(

@@ -49,7 +49,7 @@ SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("n
 # a minute or more, and the context fixture adds nothing to a sampler shared with n-gram)
 SUFFIX_SERVERS: tuple[tuple[str, bool], ...] = (("suffix", False), ("suffix", True))
 # EAGLE-1, EAGLE3 and DFlash draft from heads built on the exported target
-# (`fixtures.hf.export_eagle_head`, `export_eagle3_head`, `export_dflash_head`), MTP from the
+# (`fixtures.hf_heads.export_eagle_head`, `export_eagle3_head`, `export_dflash_head`), MTP from the
 # layer of the target exported as a MiMo (`export_mtp_target`); last-token fixture alone, as
 # suffix (same sampler, a minute or more per start)
 EAGLE_SERVERS: tuple[tuple[str, bool], ...] = (
