@@ -505,3 +505,26 @@ def test_an_mtp_layer_that_drafts_after_another_token_is_refused_at_export(
     monkeypatch.setattr(hf_heads, "mtp_layer_params", rolled)
     with pytest.raises(fixtures.FixtureError, match="MTP layer fed 'a' does not give"):
         hf_heads.export_mtp_target(exports[("last-token", 32)])
+
+
+def test_export_with_heads_writes_what_each_vllm_method_loads(
+    sources: dict[str, fixtures.FixtureSet], tmp_path: Path, cli: CliFn
+) -> None:
+    """``fixtures export --heads`` on the context fixture (its attention kept at head size 64):
+    a folder per vLLM method that needs one, each a model vLLM can load (config, weights,
+    tokenizer), the MTP one a MiMo target; the EAGLE-1 head's rows are checked on
+    probabilities there (a separate lm_head call rounds differently with attention on)."""
+    code, out, err = cli(
+        "fixtures", "export", str(tmp_path), "--format", "hf", "--heads",
+        "--fixture", str(sources["context"].dir), "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    heads = json.loads(out)["heads"]
+    assert sorted(heads) == sorted(hf_heads.HEADS) == ["dflash", "eagle", "eagle3", "mtp"]
+    for method, folder in heads.items():
+        assert Path(folder) == tmp_path / method
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            p.name for p in Path(folder).iterdir()
+        }, method
+    mtp = json.loads((tmp_path / "mtp" / "config.json").read_text())
+    assert mtp["architectures"] == [hf_heads.MTP_ARCHITECTURE]

@@ -100,10 +100,18 @@ def build_cmd(directory: Path, fixture_kind: str, as_json: bool) -> None:
     "context 64]. Padded with zeros (context: a multiple of 64, queries rescaled); the "
     "export's logits are then proven equal to the original's, or it is refused.",
 )
+@click.option(
+    "--heads",
+    is_flag=True,
+    help="Also build what vLLM's eagle, eagle3, mtp and dflash methods load, each checked "
+    "before it is written: DIRECTORY/eagle, DIRECTORY/eagle3 and DIRECTORY/dflash (heads for "
+    "--speculative-config's model), DIRECTORY/mtp (the target with an MTP layer, served in "
+    "place of DIRECTORY/target). Needs a head size vLLM's CPU attention takes (32 to 512).",
+)
 @json_option
 def export_cmd(
     directory: Path, fmt: str, fixture_kind: str | None, fixture: Path | None,
-    head_size: int | None, as_json: bool,
+    head_size: int | None, heads: bool, as_json: bool,
 ) -> None:  # fmt: skip
     """Write the fixture as Hugging Face folders into DIRECTORY and prove them: transformers'
     logits on the prompt and every continuation of up to three letters equal the original
@@ -117,6 +125,11 @@ def export_cmd(
         kind=fixture_kind,  # type: ignore[arg-type]  # a FIXTURE_KINDS value, checked by click
         head_size=head_size,
     )
+    built: dict[str, Path] = {}
+    if heads:
+        from specaudit.fixtures import hf_heads
+
+        built = hf_heads.export_heads(ex)
     row = {
         "dir": ex.dir,
         "format": hf.FORMAT,
@@ -134,6 +147,7 @@ def export_cmd(
         "truth_tolerance": hf.TRUTH_TOLERANCE,
         "prefixes": ex.prefixes,
         "files": dict(ex.files),
+        "heads": built,
     }
     if as_json:
         emit_json(row)
@@ -146,3 +160,5 @@ def export_cmd(
         f"max |p - closed form| {ex.max_abs_diff:.3g} (tolerance {hf.TRUTH_TOLERANCE:g})",
         highlight=False,
     )
+    for method, folder in built.items():
+        out.print(f"vLLM {method}: {folder}", highlight=False)
