@@ -202,21 +202,23 @@ def test_greedy_counts_follow_the_servers_draft_schedule() -> None:
         mtp_greedy_draft(fx.default_spec(), "c", "f", 1)
 
 
-def test_greedy_counts_on_vllms_schedule_draft_in_full_to_the_end() -> None:
-    """vLLM drafts ``n_max`` tokens every round however few remain; a draft past the last
-    generated token is never counted as accepted. Drafter: always "a"."""
+def test_greedy_counts_on_vllms_schedule_draft_in_full_and_may_accept_past_the_end() -> None:
+    """vLLM drafts ``n`` tokens every round however few remain, and its last round counts the
+    drafts past the output it accepted (unseen): a range then, exact otherwise. Drafter:
+    always "a"."""
 
     def always_a(_spec: fx.FixtureSpec, _prev: str, _last: str, n: int) -> str:
         return "a" * n
 
-    def counts(generated: str) -> tuple[int, int]:
-        return fx.mtp_greedy_counts(SPEC, SPEC.prompt, generated, 3, always_a, capped=False)
+    def counts(generated: str) -> tuple[int, int, int]:
+        return fx.vllm_greedy_counts(SPEC, SPEC.prompt, generated, 3, always_a)
 
-    assert counts("fg") == (3, 0)  # llama-server's schedule drafts nothing here
-    assert counts("fa") == (3, 1)
-    assert counts("faaaa") == (3, 3)  # three accepted, the fourth "a" is the target's own
-    assert counts("faaaab") == (6, 3)  # then a round before "b": drafted, none accepted
-    # llama-server: the last token is decoded alone, without a draft
+    assert counts("fg") == (3, 0, 0)  # rejected inside the output: exact
+    assert counts("fa") == (3, 1, 3)  # the output ends after one accepted: two unseen
+    assert counts("faaaa") == (3, 3, 3)  # three accepted, the fourth "a" is the target's own
+    assert counts("faaaab") == (6, 3, 3)  # then a round before "b": drafted, none accepted
+    assert counts("faaaaa") == (6, 4, 6)
+    # llama-server's schedule: the last token is decoded alone, without a draft
     assert fx.mtp_greedy_counts(SPEC, SPEC.prompt, "faaaab", 3, always_a) == (3, 3)
 
 

@@ -60,7 +60,9 @@ from specaudit.vllm.request import completions_body
 if TYPE_CHECKING:  # the export needs transformers, an extra: imported where it is used
     from specaudit.fixtures.hf import HfExport
 
-METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp", "dflash")
+METHODS = ("plain", "ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp", "dflash", "medusa")
+# the methods that load a folder built beside the target (`head`, `fixtures.hf_heads.HEADS`)
+HEAD_METHODS = ("eagle", "eagle3", "dflash", "medusa")
 DEFAULT_METHODS = ("plain", "ngram")
 SPECULATIVE_TOKENS = 3  # num_speculative_tokens of every speculating method
 METHOD_HELP = {
@@ -85,8 +87,18 @@ METHOD_HELP = {
     "export_dflash_head: each masked slot of the block drafts the target's favourite after "
     "the block's first token), "
     f"num_speculative_tokens={SPECULATIVE_TOKENS}",
+    "medusa": "medusa, Medusa heads built on the target (fixtures.hf_heads.export_medusa_head: "
+    "head k drafts the target's favourite k + 2 tokens after the position it is handed), "
+    f"num_speculative_tokens={SPECULATIVE_TOKENS}",
 }
-NOT_RUNNABLE = (("vllm medusa, mlp_speculator", "need trained speculator heads"),)
+NOT_RUNNABLE = (
+    (
+        "vllm mlp_speculator",
+        "vLLM 0.32's v1 engine has no proposer for it: its config accepts the method, its model "
+        "runner raises 'Unknown speculative decoding method' (v1/worker/gpu_model_runner.py, "
+        "which the CPU runner inherits)",
+    ),
+)
 # seconds a server may take to get healthy: a ceiling, not a wait (2-6.5 min measured here
 # with other work running, load 14-21; the server's own default is 300)
 STARTUP_TIMEOUT = 900.0
@@ -153,7 +165,7 @@ def speculative_config(
     method: str, draft: Path, eagle_head: Path | None = None
 ) -> dict[str, Any] | None:
     """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
-    the head folder eagle, eagle3 or dflash needs (`head`)."""
+    the folder a `HEAD_METHODS` method loads (`head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
         return None
@@ -168,9 +180,11 @@ def speculative_config(
         return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": n}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": n}
-    if method in ("eagle", "eagle3", "dflash"):
+    if method in HEAD_METHODS:
         if eagle_head is None:
-            raise DistError(f"vllm {method} needs a head folder (fixtures.hf.export_{method}_head)")
+            raise DistError(
+                f"vllm {method} needs a head folder (fixtures.hf_heads.export_{method}_head)"
+            )
         return {"method": method, "model": str(eagle_head), "num_speculative_tokens": n}
     if method == "mtp":  # the MTP layers are the served target's own
         return {"method": "mtp", "num_speculative_tokens": n}
@@ -501,9 +515,9 @@ def exported(req: DistRequest) -> Iterator[Any]:
 
 
 def head(method: str, ex: HfExport) -> Path | None:
-    """The folder `method` loads beside the target (eagle, eagle3, dflash:
-    `fixtures.hf_heads.HEADS`), built into the export `ex`; None for the others."""
-    if method not in ("eagle", "eagle3", "dflash"):
+    """The folder a `HEAD_METHODS` method loads beside the target
+    (`fixtures.hf_heads.HEADS`), built into the export `ex`; None for the others."""
+    if method not in HEAD_METHODS:
         return None
     from specaudit.fixtures import hf_heads
 
@@ -732,6 +746,7 @@ __all__ = [
     "DRAFTED",
     "FIDELITY_N",
     "FIDELITY_SEEDS",
+    "HEAD_METHODS",
     "LOGPROBS_MODES",
     "METHODS",
     "METHOD_HELP",
