@@ -520,7 +520,7 @@ def test_export_with_heads_writes_what_each_vllm_method_loads(
     )  # fmt: skip
     assert code == 0, err
     heads = json.loads(out)["heads"]
-    assert sorted(heads) == sorted(hf_heads.HEADS) == ["dflash", "eagle", "eagle3", "mtp"]
+    assert sorted(heads) == sorted(hf_heads.HEADS) == ["dflash", "eagle", "eagle3", "medusa", "mtp"]
     for method, folder in heads.items():
         assert Path(folder) == tmp_path / method
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
@@ -528,3 +528,44 @@ def test_export_with_heads_writes_what_each_vllm_method_loads(
         }, method
     mtp = json.loads((tmp_path / "mtp" / "config.json").read_text())
     assert mtp["architectures"] == [hf_heads.MTP_ARCHITECTURE]
+
+
+def test_the_medusa_heads_draft_the_targets_favourites_two_three_and_four_tokens_ahead(
+    exports: dict[tuple[str, int | None], hf.HfExport],
+) -> None:
+    """vLLM's Medusa model: one zero residual block (``x + SiLU(0) = x``) and one lm_head per
+    head; head k on the target's hidden state after letter x gives the log distribution k + 2
+    tokens after x, here recomputed as powers of the last-token fixture's transition matrix.
+    Its config has no other key holding "num" and "heads" (vLLM's MedusaConfig would rename
+    it to num_heads)."""
+    from safetensors.numpy import load_file
+
+    ex = exports[("last-token", 32)]
+    folder = hf_heads.export_medusa_head(ex)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3
+    assert [k for k in cfg if "num" in k and "heads" in k] == ["num_heads"]
+    params = load_file(str(folder / "model.safetensors"))
+    spec = ex.spec
+    assert not any(params[f"blocks.{k}.layers.0.weight"].any() for k in range(3))
+    step = np.array([[fixtures.raw_distribution(spec, spec.prompt + x)[y] for y in spec.letters]
+                     for x in spec.letters])  # fmt: skip
+    hidden = _model(ex.target).model  # the state vLLM hands the heads: after the final norm
+    ids = [spec.tokens.index(x) for x in spec.letters]
+    import torch
+
+    with torch.no_grad():
+        states = [
+            hidden(input_ids=torch.tensor([spec.tokenize(spec.prompt + x)]))
+            .last_hidden_state[0, -1]
+            .numpy()
+            .astype(np.float64)
+            for x in spec.letters
+        ]
+    power = step @ step
+    for k in range(3):
+        for r, v in enumerate(states):
+            z = params[f"lm_heads.{k}.weight"].astype(np.float64) @ v
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            assert np.abs(p[ids] - power[r]).max() < 1e-5, (k, spec.letters[r])
+        power = power @ step

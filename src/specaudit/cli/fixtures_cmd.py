@@ -103,10 +103,11 @@ def build_cmd(directory: Path, fixture_kind: str, as_json: bool) -> None:
 @click.option(
     "--heads",
     is_flag=True,
-    help="Also build what vLLM's eagle, eagle3, mtp and dflash methods load, each checked "
-    "before it is written: DIRECTORY/eagle, DIRECTORY/eagle3 and DIRECTORY/dflash (heads for "
-    "--speculative-config's model), DIRECTORY/mtp (the target with an MTP layer, served in "
-    "place of DIRECTORY/target). Needs a head size vLLM's CPU attention takes (32 to 512).",
+    help="Also build what vLLM's eagle, eagle3, dflash, medusa and mtp methods load, each "
+    "checked before it is written: DIRECTORY/eagle, DIRECTORY/eagle3, DIRECTORY/dflash and "
+    "DIRECTORY/medusa (the --speculative-config model), DIRECTORY/mtp (the target with an MTP "
+    "layer, served in place of DIRECTORY/target). vLLM's CPU attention takes head sizes 32 "
+    "to 512 (--head-size).",
 )
 @json_option
 def export_cmd(

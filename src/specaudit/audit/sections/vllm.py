@@ -48,13 +48,13 @@ SERVERS: tuple[tuple[str, bool], ...] = (("plain", False), ("ngram", False), ("n
 # n-gram's verification; its servers run on the last-token fixture alone (each start costs
 # a minute or more, and the context fixture adds nothing to a sampler shared with n-gram)
 SUFFIX_SERVERS: tuple[tuple[str, bool], ...] = (("suffix", False), ("suffix", True))
-# EAGLE-1, EAGLE3 and DFlash draft from heads built on the exported target
-# (`fixtures.hf_heads.export_eagle_head`, `export_eagle3_head`, `export_dflash_head`), MTP from the
-# layer of the target exported as a MiMo (`export_mtp_target`); last-token fixture alone, as
-# suffix (same sampler, a minute or more per start)
+# EAGLE-1, EAGLE3, DFlash and Medusa draft from heads built on the exported target, MTP from
+# the layer of the target exported as a MiMo (`fixtures.hf_heads.HEADS`); last-token fixture
+# alone, as suffix (same sampler, a minute or more per start)
 EAGLE_SERVERS: tuple[tuple[str, bool], ...] = (
     ("eagle", False), ("eagle", True), ("eagle3", False), ("eagle3", True),
     ("mtp", False), ("mtp", True), ("dflash", False), ("dflash", True),
+    ("medusa", False), ("medusa", True),
 )  # fmt: skip
 # seeds of each fixture run (fixed N: at 1000 the fixed server certifies dist's 0.15
 # tolerance at both settings; the stock server's forbidden tokens come within a few dozen)
