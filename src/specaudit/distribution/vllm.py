@@ -162,9 +162,9 @@ def vllm_order(p: np.ndarray, s: fixtures.SamplerSettings) -> np.ndarray:
 
 
 def speculative_config(
-    method: str, draft: Path, eagle_head: Path | None = None
+    method: str, draft: Path, head_dir: Path | None = None
 ) -> dict[str, Any] | None:
-    """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `eagle_head`:
+    """vLLM's ``--speculative-config`` of `method` (`METHODS`); None for plain. `head_dir`:
     the folder a `HEAD_METHODS` method loads (`head`)."""
     n = SPECULATIVE_TOKENS
     if method == "plain":
@@ -181,11 +181,11 @@ def speculative_config(
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": n}
     if method in HEAD_METHODS:
-        if eagle_head is None:
+        if head_dir is None:
             raise DistError(
                 f"vllm {method} needs a head folder (fixtures.hf_heads.export_{method}_head)"
             )
-        return {"method": method, "model": str(eagle_head), "num_speculative_tokens": n}
+        return {"method": method, "model": str(head_dir), "num_speculative_tokens": n}
     if method == "mtp":  # the MTP layers are the served target's own
         return {"method": "mtp", "num_speculative_tokens": n}
     raise DistError(f"unknown vllm method {method!r} (one of {', '.join(METHODS)})")
