@@ -613,13 +613,19 @@ async def load_round(
             errs = sum(sum(k.errors.values()) for k in stats.values())
             wrong = sum(k.wrong for k in stats.values())
             m = await asyncio.to_thread(proxy_metrics, url)
-            core = _sum(m, "specaudit_proxy_fast_path_total").get('outcome="served"', 0)
-            total = sum(_sum(m, "specaudit_proxy_requests_total").values())
-            spec_up = _sum(m, "specaudit_proxy_backend_up").get('backend="spec"', 0)
+            if m:
+                core = _sum(m, "specaudit_proxy_fast_path_total").get('outcome="served"', 0)
+                total = sum(_sum(m, "specaudit_proxy_requests_total").values())
+                spec_up = _sum(m, "specaudit_proxy_backend_up").get('backend="spec"', 0)
+                seen = (
+                    f"proxy: {core:.0f} of {total:.0f} served by its core, "
+                    f"spec {'up' if spec_up else 'down'}"
+                )
+            else:  # a busy proxy's /metrics can miss the 5 s: say so, not "0 of 0, down"
+                seen = "proxy: /metrics did not answer in 5 s"
             log(
                 f"{time.monotonic() - t0:5.0f} s: {n} requests, {errs} errors, {wrong} wrong "
-                f"routes, proxy: {core:.0f} of {total:.0f} served by its core, "
-                f"spec {'up' if spec_up else 'down'}, "
+                f"routes, {seen}, "
                 f"RSS {rss_mb(pid) or float('nan'):.1f} MB, "
                 f"pipelined {held.pipelined_sent}"
             )
