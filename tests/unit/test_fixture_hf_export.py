@@ -160,7 +160,8 @@ def test_two_exports_are_byte_identical_and_the_cli_says_so(
     assert row["max_abs_diff"] <= row["truth_tolerance"] == 1e-5
     assert Path(row["target"]) == tmp_path / "target"
     assert row["files"] == dict(first.files)
-    written = sorted(p.relative_to(first.dir) for p in first.dir.rglob("*") if p.is_file())
+    # the CLI's fresh folder, not the shared export's, which later tests write heads into
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert [str(p) for p in written] == sorted(first.files)
     for rel in written:
         assert (tmp_path / rel).read_bytes() == (first.dir / rel).read_bytes(), rel
