@@ -54,15 +54,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
+from scipy import stats as st
 
-from specaudit.distribution import hf
+from specaudit import stats
+from specaudit.distribution import DEFAULT_ALPHA, DEFAULT_TOLERANCE, hf
+from specaudit.stats import TvBound, Verdict
 
 VOCAB = 8
 PROMPT = (1, 2, 3)
@@ -75,6 +77,8 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "t07k4": {"temperature": 0.7, "top_k": 4},
 }
 GENERATORS = ("mtp", "gemma4-assistant")
+JOINT = 3  # the certified joint covers the first min(JOINT, tokens) positions (dist's default)
+WORST_FIRST = (Verdict.BROKEN, Verdict.INCONCLUSIVE, Verdict.PRESERVED)
 
 
 class Invalid(Exception):
@@ -100,6 +104,11 @@ class Row:
     q_token_median: float | None = None  # median q(drafted token)
     tv_if_fixed_median: float | None = None  # exact per-position TV if drafting is argmax
     tv_if_fixed_max: float | None = None
+    verdict: str = ""  # `judge`: BROKEN, PRESERVED or INCONCLUSIVE
+    tv_bound: float = 1.0  # the largest certified bound (what PRESERVED holds to --tolerance)
+    tv_bounds: list[float] | None = None  # positions 1..tokens, then the joint (`certified`)
+    joint: int = 0  # the certified joint covers positions 1..joint
+    samples_needed: int | None = None  # INCONCLUSIVE: about how many seeds would certify
 
 
 @dataclass
@@ -363,7 +372,7 @@ def compare(
     elif len(obs) < 2:  # too few samples for even two cells: no test
         g, p = 0.0, 1.0
     else:
-        g, p = stats.power_divergence(obs, exp, lambda_="log-likelihood")
+        g, p = st.power_divergence(obs, exp, lambda_="log-likelihood")
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     tvs = []
@@ -377,16 +386,95 @@ def compare(
     return float(g), len(obs) - 1, float(p), tv, tvs
 
 
-def measure(name: str, setup: Setup, sampler: str, tokens: int, seeds: range) -> list[Row]:
+def _prefix_probabilities(
+    exact: dict[tuple[int, ...], float], tokens: int
+) -> list[dict[tuple[int, ...], float]]:
+    """P(the first t tokens), t = 0..tokens, from the exact joint."""
+    out: list[dict[tuple[int, ...], float]] = [{} for _ in range(tokens + 1)]
+    for k, pr in exact.items():
+        for t in range(tokens + 1):
+            out[t][k[:t]] = out[t].get(k[:t], 0.0) + pr
+    return out
+
+
+def certified(
+    draws: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], tokens: int, alpha: float
+) -> tuple[list[TvBound], int]:
+    """dist's certified bounds (`distribution.bounds`) on these token tuples, and the joint's
+    length: each position's prefix-averaged next-token TV (every generated prefix its own
+    context), then the TV of the joint of the first min(JOINT, tokens) positions (dist's
+    default), each one-sided at alpha / (tokens + 1) so that all hold together at 1 - alpha
+    (Bonferroni). `stats.conditional_tv_bound` computes each one."""
+    prob = _prefix_probabilities(exact, tokens)
+    joint = min(JOINT, tokens)
+    a = alpha / (tokens + 1)
+    out = []
+    for t in range(1, tokens + 1):
+        by_prefix: dict[tuple[int, ...], np.ndarray] = {}
+        for d in draws:
+            by_prefix.setdefault(d[: t - 1], np.zeros(VOCAB, dtype=np.int64))[d[t - 1]] += 1
+        strata = []
+        for prefix, counts in by_prefix.items():
+            base = prob[t - 1].get(prefix, 0.0)
+            if base > 0:  # a prefix the target forbids is already BROKEN where it arose
+                p = np.array([prob[t].get((*prefix, v), 0.0) for v in range(VOCAB)]) / base
+                strata.append((counts, p))
+        out.append(stats.conditional_tv_bound(strata, a))
+    cells = {k: i for i, k in enumerate(sorted(prob[joint]))}
+    counts = np.zeros(len(cells) + 1, dtype=np.int64)  # the last cell: what the target forbids
+    for d in draws:
+        counts[cells.get(d[:joint], len(cells))] += 1
+    probs = np.append([prob[joint][k] for k in cells], 0.0)
+    out.append(stats.conditional_tv_bound([(counts, probs)], a))
+    return out, joint
+
+
+def judge(
+    draws: list[tuple[int, ...]],
+    exact: dict[tuple[int, ...], float],
+    tokens: int,
+    p_value: float,
+    alpha: float,
+    tolerance: float,
+) -> tuple[Verdict, list[TvBound], int, int | None]:
+    """dist's decision rule (`stats.decide`) on one row: BROKEN if the G-test's p is below
+    alpha or a sequence the target forbids was drawn; PRESERVED if not and every certified
+    bound (`certified`) is at most `tolerance`; else INCONCLUSIVE, with about how many seeds
+    would bring the largest bound within it (`stats.samples_needed`). Also the bounds, the
+    joint's length and that number (None unless INCONCLUSIVE)."""
+    bounds, joint = certified(draws, exact, tokens, alpha)
+    uppers = [b.upper for b in bounds]
+    impossible = any(d not in exact for d in draws)
+    verdict = stats.decide([p_value], alpha, uppers, tolerance, impossible)
+    needed = (
+        stats.samples_needed(len(draws), max(uppers), tolerance)
+        if verdict is Verdict.INCONCLUSIVE
+        else None
+    )
+    return verdict, bounds, joint, needed
+
+
+def measure(
+    name: str,
+    setup: Setup,
+    sampler: str,
+    tokens: int,
+    seeds: range,
+    alpha: float = DEFAULT_ALPHA,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> list[Row]:
     exact = exact_joint(setup.target, sampler, tokens)
     rows = []
     for speculative in (True, False):
         t0 = time.monotonic()
         draws, c = sample(setup, sampler, tokens, seeds, speculative)
         g, dof, p, tv, tvs = compare(draws, exact, tokens)
+        verdict, bounds, joint, needed = judge(draws, exact, tokens, p, alpha, tolerance)
         row = Row(
             name, sampler, "speculative" if speculative else "plain", len(seeds), None, None,
-            g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0,
+            g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0, verdict=verdict.value,
+            tv_bound=max(b.upper for b in bounds), tv_bounds=[b.upper for b in bounds],
+            joint=joint, samples_needed=needed,
         )  # fmt: skip
         if speculative:
             row.drafted, row.accepted, row.argmax_drafts = c.drafted, c.accepted, c.argmax
@@ -398,13 +486,42 @@ def measure(name: str, setup: Setup, sampler: str, tokens: int, seeds: range) ->
     return rows
 
 
+def _print_rows(name: str, sampler: str, spec: Row, plain: Row, tolerance: float) -> None:
+    for r in (spec, plain):
+        tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
+        bounds = " ".join(f"{x:.3f}" for x in r.tv_bounds or [])
+        more = f" (~{r.samples_needed} seeds would do)" if r.samples_needed else ""
+        print(
+            f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
+            f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g} "
+            f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {r.verdict} "
+            f"TV bound={r.tv_bound:.3f} (tolerance {tolerance:g}; positions, joint 1-{r.joint}: "
+            f"[{bounds}]){more} {r.seconds:.0f}s",
+            flush=True,
+        )
+    if spec.tv_if_fixed_median is not None:
+        fixed = spec.argmax_drafts == spec.drafted  # argmax drafting: no sampling
+        print(
+            f"    drafts that were q's argmax: {spec.argmax_drafts}/{spec.drafted}; "
+            f"median q(draft) {spec.q_token_median:.3f}"
+            + (
+                f"; exact TV of the output from p at a drafted position: median "
+                f"{spec.tv_if_fixed_median:.3f}, max {spec.tv_if_fixed_max:.3f}"
+                if fixed
+                else " (drafts sampled from q)"
+            ),
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generators", default=",".join(GENERATORS))
     ap.add_argument("--seeds", type=int, default=3000)
-    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--samplers", default=",".join(SAMPLERS))
-    ap.add_argument("--alpha", type=float, default=0.01)
+    ap.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     try:
@@ -419,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(1, a.seeds + 1)
     rows: list[Row] = []
     notes: dict[str, str] = {}
-    verdicts: dict[str, str] = {}
+    verdicts: dict[str, Verdict] = {}
+    t0 = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, sampler in itertools.product(a.generators.split(","), a.samplers.split(",")):
@@ -427,45 +545,44 @@ def main(argv: list[str] | None = None) -> int:
                     setup = SETUPS[name](Path(tmp))
                     notes[name] = setup.note
                     print(f"{name}: {setup.note}", flush=True)
-                spec, plain = measure(name, setup, sampler, a.tokens, seeds)
+                spec, plain = measure(name, setup, sampler, a.tokens, seeds, a.alpha, a.tolerance)
                 rows += [spec, plain]
-                for r in (spec, plain):
-                    tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
-                    print(
-                        f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
-                        f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g} "
-                        f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {r.seconds:.0f}s",
-                        flush=True,
-                    )
-                if spec.tv_if_fixed_median is not None:
-                    fixed = spec.argmax_drafts == spec.drafted  # argmax drafting: no sampling
-                    print(
-                        f"    drafts that were q's argmax: {spec.argmax_drafts}/{spec.drafted}; "
-                        f"median q(draft) {spec.q_token_median:.3f}"
-                        + (
-                            f"; exact TV of the output from p at a drafted position: median "
-                            f"{spec.tv_if_fixed_median:.3f}, max {spec.tv_if_fixed_max:.3f}"
-                            if fixed
-                            else " (drafts sampled from q)"
-                        ),
-                        flush=True,
-                    )
+                _print_rows(name, sampler, spec, plain, a.tolerance)
                 if plain.p_value < a.alpha / 10:
                     raise Invalid(
                         f"{name} {sampler}: the plain reference fails (p={plain.p_value})"
                     )
-                bad = spec.p_value < a.alpha
-                if bad or name not in verdicts:
-                    verdicts[name] = "BROKEN" if bad else "PRESERVED"
+                v = Verdict(spec.verdict)
+                if name not in verdicts or WORST_FIRST.index(v) < WORST_FIRST.index(verdicts[name]):
+                    verdicts[name] = v
     except Invalid as e:
         print(f"invalid measurement: {e}", file=sys.stderr)
         return 2
     for name, v in verdicts.items():
-        print(f"{name}: {v}")
+        bound = max(r.tv_bound for r in rows if r.generator == name and r.path == "speculative")
+        print(f"{name}: {v.value} (largest TV bound {bound:.3f}, tolerance {a.tolerance:g})")
+    print(f"wall time {time.monotonic() - t0:.0f}s", flush=True)
     if a.json:
-        doc = {"notes": notes, "verdicts": verdicts, "rows": [asdict(r) for r in rows]}
+        doc = {
+            "command": " ".join(["benchmarks/bench_hf_generators.py", *(argv or sys.argv[1:])]),
+            "alpha": a.alpha,
+            "tolerance": a.tolerance,
+            "tokens": a.tokens,
+            "seconds": time.monotonic() - t0,
+            "notes": notes,
+            "verdicts": {k: v.value for k, v in verdicts.items()},
+            "rows": [asdict(r) for r in rows],
+        }
         a.json.write_text(json.dumps(doc, indent=1))
-    return 1 if "BROKEN" in verdicts.values() else 0
+    return exit_code(verdicts.values())
+
+
+def exit_code(verdicts: Iterable[Verdict]) -> int:
+    """dist's convention: 1 if any BROKEN; else 2 if any INCONCLUSIVE; else 0."""
+    seen = set(verdicts)
+    if Verdict.BROKEN in seen:
+        return 1
+    return 2 if Verdict.INCONCLUSIVE in seen else 0
 
 
 if __name__ == "__main__":
