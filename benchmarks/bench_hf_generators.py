@@ -27,19 +27,40 @@ For every generator and sampler setting: `--seeds` seeds of `generate()` with th
 of the tokens computed from the target's own next-token probabilities after generate()'s
 logits processors (chain rule over every prefix). Statistics: the G-test of the joint counts
 against the exact distribution (cells with expected count below 5 pooled), the total
-variation between the empirical and exact joint, and the largest per-position marginal TV;
-the reference's rows give the noise floor at the same sample size. Verdict BROKEN when the
-generator's G-test p is below `--alpha`, PRESERVED otherwise. The first generated token never
-comes from a draft (both generators skip drafting until the target has run once), so drafts
-start at position 2.
+variation between the empirical and exact joint, the largest per-position marginal TV, and
+`specaudit dist`'s certified bounds (`stats.conditional_tv_bound`, what
+`distribution.bounds` gives dist): one-sided upper bounds on each position's prefix-averaged
+next-token TV (every generated prefix its own context) and on the TV of the joint of the
+first min(3, tokens) positions, each at alpha / (tokens + 1) so that all hold together at
+1 - alpha. The reference's rows give the noise floor at the same sample size.
+
+Verdict per row, dist's rule (`stats.decide`): BROKEN when the G-test's p is below `--alpha`
+(or the generator produced a sequence the target forbids); PRESERVED when not and every
+certified bound is at most `--tolerance` (dist's default 0.15), i.e. with confidence
+1 - alpha no position's prefix-averaged TV nor the joint's TV exceeds it; INCONCLUSIVE
+otherwise, with the largest bound reached and about how many seeds would bring it within the
+tolerance (n (bound / tolerance)^2). A generator's verdict is its worst row. Each row prints
+its largest bound (`TV bound`) and all of them; `--json` keeps them (`tv_bound`, `tv_bounds`:
+positions, then the joint; `samples_needed`). The first generated token never comes from a
+draft (both generators skip drafting until the target has run once), so drafts start at
+position 2.
+
+Why 3 tokens by default: position t's bound averages over up to 8^(t-1) prefixes, each with
+its own plug-in TV, so it shrinks slowly in the seeds. Drawn from the MTP target's exact
+distribution at T=1, position 3's and the joint's bounds are about 0.125 and 0.14 at 2000
+seeds, 0.11 and 0.12 at 3000; with 4 tokens position 4's is still 0.16 at 5000 (INCONCLUSIVE).
+Under the exact distribution the pooled G-test rejected at 0.01 in 0.3 to 2.3 % of 300
+simulated samples of 2000 or 5000 (4 tokens, both samplers): about its level.
 
     .venv/bin/python benchmarks/bench_hf_generators.py [--generators mtp,gemma4-assistant]
-        [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--json FILE]
+        [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--tolerance 0.15]
+        [--json FILE]
 
 Samplers: t1 = temperature 1, no truncation; t07k4 = temperature 0.7, top-k 4.
 
-Exit codes: 0 every generator PRESERVED; 1 some generator BROKEN; 2 the measurement is not
-valid (the plain reference itself fails its G-test, MTP weights not loaded as written,
+Exit codes (dist's): 0 every generator PRESERVED at every sampler; 1 some generator BROKEN;
+2 none BROKEN but some INCONCLUSIVE (more seeds needed), or the measurement is not valid (the
+plain reference itself fails its G-test at alpha / 10, MTP weights not loaded as written,
 transformers missing).
 """
 
