@@ -71,6 +71,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import sys
 import tempfile
 import time
@@ -85,7 +86,7 @@ from scipy import stats as st
 
 from specaudit import stats
 from specaudit.distribution import DEFAULT_ALPHA, DEFAULT_TOLERANCE, hf
-from specaudit.stats import TvBound, Verdict
+from specaudit.stats import TINY_P, TvBound, Verdict
 
 VOCAB = 8
 PROMPT = (1, 2, 3)
@@ -130,6 +131,7 @@ class Row:
     tv_bounds: list[float] | None = None  # positions 1..tokens, then the joint (`certified`)
     joint: int = 0  # the certified joint covers positions 1..joint
     samples_needed: int | None = None  # INCONCLUSIVE: about how many seeds would certify
+    log10_p: float | None = None  # the G-test's log10 p (also where p underflows)
 
 
 @dataclass
@@ -394,6 +396,7 @@ def compare(
         g, p = 0.0, 1.0
     else:
         g, p = st.power_divergence(obs, exp, lambda_="log-likelihood")
+        p = max(float(p), TINY_P)  # underflowed: tiny, not impossible (0 is for those)
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     tvs = []
@@ -475,6 +478,16 @@ def judge(
     return verdict, bounds, joint, needed
 
 
+def log10_chi2_sf(g: float, dof: int) -> float | None:
+    """log10 of the chi-square tail beyond g, also where scipy's underflows (mpmath, which
+    torch depends on); None without a test (no degrees of freedom, or an impossible draw)."""
+    if dof <= 0 or not math.isfinite(g):
+        return None
+    import mpmath  # type: ignore[import-untyped]
+
+    return float(mpmath.log10(mpmath.gammainc(dof / 2, g / 2, mpmath.inf, regularized=True)))
+
+
 def measure(
     name: str,
     setup: Setup,
@@ -496,6 +509,7 @@ def measure(
             g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0, verdict=verdict.value,
             tv_bound=max(b.upper for b in bounds), tv_bounds=[b.upper for b in bounds],
             joint=joint, samples_needed=needed,
+            log10_p=log10_chi2_sf(g, dof),
         )  # fmt: skip
         if speculative:
             row.drafted, row.accepted, row.argmax_drafts = c.drafted, c.accepted, c.argmax
@@ -512,9 +526,10 @@ def _print_rows(name: str, sampler: str, spec: Row, plain: Row, tolerance: float
         tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
         bounds = " ".join(f"{x:.3f}" for x in r.tv_bounds or [])
         more = f" (~{r.samples_needed} seeds would do)" if r.samples_needed else ""
+        tiny = f" (log10 p {r.log10_p:.1f})" if r.log10_p is not None and r.log10_p < -300 else ""
         print(
             f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
-            f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g} "
+            f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g}{tiny} "
             f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {r.verdict} "
             f"TV bound={r.tv_bound:.3f} (tolerance {tolerance:g}; positions, joint 1-{r.joint}: "
             f"[{bounds}]){more} {r.seconds:.0f}s",

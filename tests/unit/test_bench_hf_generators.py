@@ -132,3 +132,17 @@ def test_exit_codes_follow_dist(bench: ModuleType) -> None:
     assert bench.exit_code([pres, inc]) == 2
     assert bench.exit_code([inc, brk]) == 1
     assert bench.exit_code([brk, pres]) == 1
+
+
+def test_an_underflowed_p_is_tiny_not_impossible(bench: ModuleType) -> None:
+    """p = 0 is kept for draws the target forbids; a G-test's underflow is floored at TINY_P and
+    its size kept in log10 (mpmath), as far as chi-square's tail goes."""
+    p = exact(bench.VOCAB)
+    top = max(p, key=lambda k: p[k])
+    g, dof, pv, _, _ = bench.compare([top] * 20000, p, TOKENS)
+    assert pv == stats.TINY_P
+    log10 = bench.log10_chi2_sf(g, dof)
+    assert log10 is not None and log10 < -320
+    from scipy import stats as st
+
+    assert bench.log10_chi2_sf(41.6, 4) == pytest.approx(np.log10(st.chi2.sf(41.6, 4)), abs=1e-9)
