@@ -48,9 +48,12 @@ position 2.
 Why 3 tokens by default: position t's bound averages over up to 8^(t-1) prefixes, each with
 its own plug-in TV, so it shrinks slowly in the seeds. Drawn from the MTP target's exact
 distribution at T=1, position 3's and the joint's bounds are about 0.125 and 0.14 at 2000
-seeds, 0.11 and 0.12 at 3000; with 4 tokens position 4's is still 0.16 at 5000 (INCONCLUSIVE).
+seeds, 0.11 and 0.12 at 3000; with 4 tokens position 4's is still 0.16 at 5000 (above the
+tolerance).
 Under the exact distribution the pooled G-test rejected at 0.01 in 0.3 to 2.3 % of 300
 simulated samples of 2000 or 5000 (4 tokens, both samplers): about its level.
+A p-value below the smallest float is reported as that float (`stats.TINY_P`; 0 stays for a
+forbidden sequence), with its log10 from the chi-square tail (`log10_p`).
 
     .venv/bin/python benchmarks/bench_hf_generators.py [--generators mtp,gemma4-assistant]
         [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--tolerance 0.15]
