@@ -27,19 +27,43 @@ For every generator and sampler setting: `--seeds` seeds of `generate()` with th
 of the tokens computed from the target's own next-token probabilities after generate()'s
 logits processors (chain rule over every prefix). Statistics: the G-test of the joint counts
 against the exact distribution (cells with expected count below 5 pooled), the total
-variation between the empirical and exact joint, and the largest per-position marginal TV;
-the reference's rows give the noise floor at the same sample size. Verdict BROKEN when the
-generator's G-test p is below `--alpha`, PRESERVED otherwise. The first generated token never
-comes from a draft (both generators skip drafting until the target has run once), so drafts
-start at position 2.
+variation between the empirical and exact joint, the largest per-position marginal TV, and
+`specaudit dist`'s certified bounds (`stats.conditional_tv_bound`, what
+`distribution.bounds` gives dist): one-sided upper bounds on each position's prefix-averaged
+next-token TV (every generated prefix its own context) and on the TV of the joint of the
+first min(3, tokens) positions, each at alpha / (tokens + 1) so that all hold together at
+1 - alpha. The reference's rows give the noise floor at the same sample size.
+
+Verdict per row, dist's rule (`stats.decide`): BROKEN when the G-test's p is below `--alpha`
+(or the generator produced a sequence the target forbids); PRESERVED when not and every
+certified bound is at most `--tolerance` (dist's default 0.15), i.e. with confidence
+1 - alpha no position's prefix-averaged TV nor the joint's TV exceeds it; INCONCLUSIVE
+otherwise, with the largest bound reached and about how many seeds would bring it within the
+tolerance (n (bound / tolerance)^2). A generator's verdict is its worst row. Each row prints
+its largest bound (`TV bound`) and all of them; `--json` keeps them (`tv_bound`, `tv_bounds`:
+positions, then the joint; `samples_needed`). The first generated token never comes from a
+draft (both generators skip drafting until the target has run once), so drafts start at
+position 2.
+
+Why 3 tokens by default: position t's bound averages over up to 8^(t-1) prefixes, each with
+its own plug-in TV, so it shrinks slowly in the seeds. Drawn from the MTP target's exact
+distribution at T=1, position 3's and the joint's bounds are about 0.125 and 0.14 at 2000
+seeds, 0.11 and 0.12 at 3000; with 4 tokens position 4's is still 0.16 at 5000 (above the
+tolerance).
+Under the exact distribution the pooled G-test rejected at 0.01 in 0.3 to 2.3 % of 300
+simulated samples of 2000 or 5000 (4 tokens, both samplers): about its level.
+A p-value below the smallest float is reported as that float (`stats.TINY_P`; 0 stays for a
+forbidden sequence), with its log10 from the chi-square tail (`log10_p`).
 
     .venv/bin/python benchmarks/bench_hf_generators.py [--generators mtp,gemma4-assistant]
-        [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--json FILE]
+        [--seeds 3000] [--tokens 3] [--samplers t1,t07k4] [--alpha 0.01] [--tolerance 0.15]
+        [--json FILE]
 
 Samplers: t1 = temperature 1, no truncation; t07k4 = temperature 0.7, top-k 4.
 
-Exit codes: 0 every generator PRESERVED; 1 some generator BROKEN; 2 the measurement is not
-valid (the plain reference itself fails its G-test, MTP weights not loaded as written,
+Exit codes (dist's): 0 every generator PRESERVED at every sampler; 1 some generator BROKEN;
+2 none BROKEN but some INCONCLUSIVE (more seeds needed), or the measurement is not valid (the
+plain reference itself fails its G-test at alpha / 10, MTP weights not loaded as written,
 transformers missing).
 """
 
@@ -50,19 +74,22 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
+from scipy import stats as st
 
-from specaudit.distribution import hf
+from specaudit import stats
+from specaudit.distribution import DEFAULT_ALPHA, DEFAULT_TOLERANCE, hf
+from specaudit.stats import TINY_P, TvBound, Verdict
 
 VOCAB = 8
 PROMPT = (1, 2, 3)
@@ -75,6 +102,8 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "t07k4": {"temperature": 0.7, "top_k": 4},
 }
 GENERATORS = ("mtp", "gemma4-assistant")
+JOINT = 3  # the certified joint covers the first min(JOINT, tokens) positions (dist's default)
+WORST_FIRST = (Verdict.BROKEN, Verdict.INCONCLUSIVE, Verdict.PRESERVED)
 
 
 class Invalid(Exception):
@@ -100,6 +129,12 @@ class Row:
     q_token_median: float | None = None  # median q(drafted token)
     tv_if_fixed_median: float | None = None  # exact per-position TV if drafting is argmax
     tv_if_fixed_max: float | None = None
+    verdict: str = ""  # `judge`: BROKEN, PRESERVED or INCONCLUSIVE
+    tv_bound: float = 1.0  # the largest certified bound (what PRESERVED holds to --tolerance)
+    tv_bounds: list[float] | None = None  # positions 1..tokens, then the joint (`certified`)
+    joint: int = 0  # the certified joint covers positions 1..joint
+    samples_needed: int | None = None  # INCONCLUSIVE: about how many seeds would certify
+    log10_p: float | None = None  # the G-test's log10 p (also where p underflows)
 
 
 @dataclass
@@ -363,7 +398,8 @@ def compare(
     elif len(obs) < 2:  # too few samples for even two cells: no test
         g, p = 0.0, 1.0
     else:
-        g, p = stats.power_divergence(obs, exp, lambda_="log-likelihood")
+        g, p = st.power_divergence(obs, exp, lambda_="log-likelihood")
+        p = max(float(p), TINY_P)  # underflowed: tiny, not impossible (0 is for those)
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     tvs = []
@@ -377,16 +413,106 @@ def compare(
     return float(g), len(obs) - 1, float(p), tv, tvs
 
 
-def measure(name: str, setup: Setup, sampler: str, tokens: int, seeds: range) -> list[Row]:
+def _prefix_probabilities(
+    exact: dict[tuple[int, ...], float], tokens: int
+) -> list[dict[tuple[int, ...], float]]:
+    """P(the first t tokens), t = 0..tokens, from the exact joint."""
+    out: list[dict[tuple[int, ...], float]] = [{} for _ in range(tokens + 1)]
+    for k, pr in exact.items():
+        for t in range(tokens + 1):
+            out[t][k[:t]] = out[t].get(k[:t], 0.0) + pr
+    return out
+
+
+def certified(
+    draws: list[tuple[int, ...]], exact: dict[tuple[int, ...], float], tokens: int, alpha: float
+) -> tuple[list[TvBound], int]:
+    """dist's certified bounds (`distribution.bounds`) on these token tuples, and the joint's
+    length: each position's prefix-averaged next-token TV (every generated prefix its own
+    context), then the TV of the joint of the first min(JOINT, tokens) positions (dist's
+    default), each one-sided at alpha / (tokens + 1) so that all hold together at 1 - alpha
+    (Bonferroni). `stats.conditional_tv_bound` computes each one."""
+    prob = _prefix_probabilities(exact, tokens)
+    joint = min(JOINT, tokens)
+    a = alpha / (tokens + 1)
+    out = []
+    for t in range(1, tokens + 1):
+        by_prefix: dict[tuple[int, ...], np.ndarray] = {}
+        for d in draws:
+            by_prefix.setdefault(d[: t - 1], np.zeros(VOCAB, dtype=np.int64))[d[t - 1]] += 1
+        strata = []
+        for prefix, counts in by_prefix.items():
+            base = prob[t - 1].get(prefix, 0.0)
+            if base > 0:  # a prefix the target forbids is already BROKEN where it arose
+                p = np.array([prob[t].get((*prefix, v), 0.0) for v in range(VOCAB)]) / base
+                strata.append((counts, p))
+        out.append(stats.conditional_tv_bound(strata, a))
+    cells = {k: i for i, k in enumerate(sorted(prob[joint]))}
+    counts = np.zeros(len(cells) + 1, dtype=np.int64)  # the last cell: what the target forbids
+    for d in draws:
+        counts[cells.get(d[:joint], len(cells))] += 1
+    probs = np.append([prob[joint][k] for k in cells], 0.0)
+    out.append(stats.conditional_tv_bound([(counts, probs)], a))
+    return out, joint
+
+
+def judge(
+    draws: list[tuple[int, ...]],
+    exact: dict[tuple[int, ...], float],
+    tokens: int,
+    p_value: float,
+    alpha: float,
+    tolerance: float,
+) -> tuple[Verdict, list[TvBound], int, int | None]:
+    """dist's decision rule (`stats.decide`) on one row: BROKEN if the G-test's p is below
+    alpha or a sequence the target forbids was drawn; PRESERVED if not and every certified
+    bound (`certified`) is at most `tolerance`; else INCONCLUSIVE, with about how many seeds
+    would bring the largest bound within it (`stats.samples_needed`). Also the bounds, the
+    joint's length and that number (None unless INCONCLUSIVE)."""
+    bounds, joint = certified(draws, exact, tokens, alpha)
+    uppers = [b.upper for b in bounds]
+    impossible = any(d not in exact for d in draws)
+    verdict = stats.decide([p_value], alpha, uppers, tolerance, impossible)
+    needed = (
+        stats.samples_needed(len(draws), max(uppers), tolerance)
+        if verdict is Verdict.INCONCLUSIVE
+        else None
+    )
+    return verdict, bounds, joint, needed
+
+
+def log10_chi2_sf(g: float, dof: int) -> float | None:
+    """log10 of the chi-square tail beyond g, also where scipy's underflows (mpmath, which
+    torch depends on); None without a test (no degrees of freedom, or an impossible draw)."""
+    if dof <= 0 or not math.isfinite(g):
+        return None
+    import mpmath  # type: ignore[import-untyped]
+
+    return float(mpmath.log10(mpmath.gammainc(dof / 2, g / 2, mpmath.inf, regularized=True)))
+
+
+def measure(
+    name: str,
+    setup: Setup,
+    sampler: str,
+    tokens: int,
+    seeds: range,
+    alpha: float = DEFAULT_ALPHA,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> list[Row]:
     exact = exact_joint(setup.target, sampler, tokens)
     rows = []
     for speculative in (True, False):
         t0 = time.monotonic()
         draws, c = sample(setup, sampler, tokens, seeds, speculative)
         g, dof, p, tv, tvs = compare(draws, exact, tokens)
+        verdict, bounds, joint, needed = judge(draws, exact, tokens, p, alpha, tolerance)
         row = Row(
             name, sampler, "speculative" if speculative else "plain", len(seeds), None, None,
-            g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0,
+            g, dof, p, tv, max(tvs), tvs, time.monotonic() - t0, verdict=verdict.value,
+            tv_bound=max(b.upper for b in bounds), tv_bounds=[b.upper for b in bounds],
+            joint=joint, samples_needed=needed,
+            log10_p=log10_chi2_sf(g, dof),
         )  # fmt: skip
         if speculative:
             row.drafted, row.accepted, row.argmax_drafts = c.drafted, c.accepted, c.argmax
@@ -398,13 +524,47 @@ def measure(name: str, setup: Setup, sampler: str, tokens: int, seeds: range) ->
     return rows
 
 
+def _print_rows(name: str, sampler: str, spec: Row, plain: Row, tolerance: float) -> None:
+    for r in (spec, plain):
+        verdict = r.verdict
+        if r is plain and r.verdict == Verdict.BROKEN.value:
+            # plain generate() is the reference: a rejection there is the test's false alarm
+            verdict = "REFERENCE REJECTED (plain generate(): a false alarm at alpha)"
+        tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
+        bounds = " ".join(f"{x:.3f}" for x in r.tv_bounds or [])
+        more = f" (~{r.samples_needed} seeds would do)" if r.samples_needed else ""
+        tiny = f" (log10 p {r.log10_p:.1f})" if r.log10_p is not None and r.log10_p < -300 else ""
+        print(
+            f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
+            f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g}{tiny} "
+            f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {verdict} "
+            f"TV bound={r.tv_bound:.3f} (tolerance {tolerance:g}; positions, joint 1-{r.joint}: "
+            f"[{bounds}]){more} {r.seconds:.0f}s",
+            flush=True,
+        )
+    if spec.tv_if_fixed_median is not None:
+        fixed = spec.argmax_drafts == spec.drafted  # argmax drafting: no sampling
+        print(
+            f"    drafts that were q's argmax: {spec.argmax_drafts}/{spec.drafted}; "
+            f"median q(draft) {spec.q_token_median:.3f}"
+            + (
+                f"; exact TV of the output from p at a drafted position: median "
+                f"{spec.tv_if_fixed_median:.3f}, max {spec.tv_if_fixed_max:.3f}"
+                if fixed
+                else " (drafts sampled from q)"
+            ),
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generators", default=",".join(GENERATORS))
     ap.add_argument("--seeds", type=int, default=3000)
-    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--samplers", default=",".join(SAMPLERS))
-    ap.add_argument("--alpha", type=float, default=0.01)
+    ap.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     try:
@@ -419,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(1, a.seeds + 1)
     rows: list[Row] = []
     notes: dict[str, str] = {}
-    verdicts: dict[str, str] = {}
+    verdicts: dict[str, Verdict] = {}
+    t0 = time.monotonic()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, sampler in itertools.product(a.generators.split(","), a.samplers.split(",")):
@@ -427,45 +588,44 @@ def main(argv: list[str] | None = None) -> int:
                     setup = SETUPS[name](Path(tmp))
                     notes[name] = setup.note
                     print(f"{name}: {setup.note}", flush=True)
-                spec, plain = measure(name, setup, sampler, a.tokens, seeds)
+                spec, plain = measure(name, setup, sampler, a.tokens, seeds, a.alpha, a.tolerance)
                 rows += [spec, plain]
-                for r in (spec, plain):
-                    tvp = " ".join(f"{x:.3f}" for x in r.tv_positions)
-                    print(
-                        f"  {name:16} {sampler:6} {r.path:11} n={r.seeds} drafted={r.drafted} "
-                        f"accepted={r.accepted} G={r.g_stat:.1f} dof={r.dof} p={r.p_value:.3g} "
-                        f"TV joint={r.tv_joint:.3f} positions=[{tvp}] {r.seconds:.0f}s",
-                        flush=True,
-                    )
-                if spec.tv_if_fixed_median is not None:
-                    fixed = spec.argmax_drafts == spec.drafted  # argmax drafting: no sampling
-                    print(
-                        f"    drafts that were q's argmax: {spec.argmax_drafts}/{spec.drafted}; "
-                        f"median q(draft) {spec.q_token_median:.3f}"
-                        + (
-                            f"; exact TV of the output from p at a drafted position: median "
-                            f"{spec.tv_if_fixed_median:.3f}, max {spec.tv_if_fixed_max:.3f}"
-                            if fixed
-                            else " (drafts sampled from q)"
-                        ),
-                        flush=True,
-                    )
+                _print_rows(name, sampler, spec, plain, a.tolerance)
                 if plain.p_value < a.alpha / 10:
                     raise Invalid(
                         f"{name} {sampler}: the plain reference fails (p={plain.p_value})"
                     )
-                bad = spec.p_value < a.alpha
-                if bad or name not in verdicts:
-                    verdicts[name] = "BROKEN" if bad else "PRESERVED"
+                v = Verdict(spec.verdict)
+                if name not in verdicts or WORST_FIRST.index(v) < WORST_FIRST.index(verdicts[name]):
+                    verdicts[name] = v
     except Invalid as e:
         print(f"invalid measurement: {e}", file=sys.stderr)
         return 2
     for name, v in verdicts.items():
-        print(f"{name}: {v}")
+        bound = max(r.tv_bound for r in rows if r.generator == name and r.path == "speculative")
+        print(f"{name}: {v.value} (largest TV bound {bound:.3f}, tolerance {a.tolerance:g})")
+    print(f"wall time {time.monotonic() - t0:.0f}s", flush=True)
     if a.json:
-        doc = {"notes": notes, "verdicts": verdicts, "rows": [asdict(r) for r in rows]}
+        doc = {
+            "command": " ".join(["benchmarks/bench_hf_generators.py", *(argv or sys.argv[1:])]),
+            "alpha": a.alpha,
+            "tolerance": a.tolerance,
+            "tokens": a.tokens,
+            "seconds": time.monotonic() - t0,
+            "notes": notes,
+            "verdicts": {k: v.value for k, v in verdicts.items()},
+            "rows": [asdict(r) for r in rows],
+        }
         a.json.write_text(json.dumps(doc, indent=1))
-    return 1 if "BROKEN" in verdicts.values() else 0
+    return exit_code(verdicts.values())
+
+
+def exit_code(verdicts: Iterable[Verdict]) -> int:
+    """dist's convention: 1 if any BROKEN; else 2 if any INCONCLUSIVE; else 0."""
+    seen = set(verdicts)
+    if Verdict.BROKEN in seen:
+        return 1
+    return 2 if Verdict.INCONCLUSIVE in seen else 0
 
 
 if __name__ == "__main__":
